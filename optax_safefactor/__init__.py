@@ -1,0 +1,31 @@
+"""optax_safefactor: a numerically safe Adafactor for optax, JAX and Flax."""
+
+from optax_safefactor._src.alias import SafefactorState as SafefactorState
+from optax_safefactor._src.alias import safefactor as safefactor
+from optax_safefactor._src.base import WitnessedTransformation as WitnessedTransformation
+from optax_safefactor._src.guard import NonFiniteStepsError as NonFiniteStepsError
+from optax_safefactor._src.guard import SkipNonfiniteState as SkipNonfiniteState
+from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
+from optax_safefactor._src.guard import skipped_steps as skipped_steps
+from optax_safefactor._src.moments import FactoredMoment as FactoredMoment
+from optax_safefactor._src.moments import FullMoment as FullMoment
+from optax_safefactor._src.moments import SafeFactoredState as SafeFactoredState
+from optax_safefactor._src.moments import scale_by_safe_factored_rms as scale_by_safe_factored_rms
+from optax_safefactor._src.plan import FactorPlan as FactorPlan
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "FactorPlan",
+    "FactoredMoment",
+    "FullMoment",
+    "NonFiniteStepsError",
+    "SafeFactoredState",
+    "SafefactorState",
+    "SkipNonfiniteState",
+    "WitnessedTransformation",
+    "safefactor",
+    "scale_by_safe_factored_rms",
+    "skip_nonfinite",
+    "skipped_steps",
+)

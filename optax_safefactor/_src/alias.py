@@ -1,0 +1,271 @@
+"""``safefactor``: Adafactor as one fused, float32-throughout transformation."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_safefactor._src import checks, moments, numerics
+from optax_safefactor._src.base import WitnessedTransformation, unzip_leaf_results
+from optax_safefactor._src.guard import skip_nonfinite
+
+
+class SafefactorState(NamedTuple):
+  """State of the Adafactor core of :func:`safefactor`.
+
+  Attributes:
+    count: number of applied steps (drives the beta2 and learning-rate schedules).
+    second_moment: one :class:`FactoredMoment` or :class:`FullMoment` per leaf.
+    momentum: the first moment per leaf, or ``None`` when momentum is off.
+  """
+
+  count: jax.Array
+  second_moment: Any
+  momentum: Any
+
+
+def _validate(
+    *, decay_rate, min_dim_size_to_factor, clipping_threshold, momentum, eps, beta2_cap,
+    min_parameter_scale, max_parameter_scale, learning_rate, weight_decay_rate,
+) -> None:
+  check = checks.check_hyperparameter
+  check("learning_rate", learning_rate, math.isfinite, "finite")
+  check("decay_rate", decay_rate, lambda x: x > 0, "positive")
+  check("min_dim_size_to_factor", min_dim_size_to_factor, lambda x: x >= 1, "at least 1")
+  check("clipping_threshold", clipping_threshold, lambda x: x >= 1, "at least 1 (or None)")
+  check("momentum", momentum, lambda x: 0 <= x < 1, "in [0, 1) (or None)")
+  check("eps", eps, lambda x: x >= 0, "non-negative")
+  check("beta2_cap", beta2_cap, lambda x: 0 < x <= 1, "in (0, 1] (or None)")
+  check("min_parameter_scale", min_parameter_scale, lambda x: x >= 0, "non-negative")
+  check("max_parameter_scale", max_parameter_scale, lambda x: x > 0, "positive (or None)")
+  check("weight_decay_rate", weight_decay_rate, math.isfinite, "finite (or None)")
+
+
+def _momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
+  dtype = np.dtype(jnp.dtype(dtype_momentum))
+  if jnp.issubdtype(param_dtype, jnp.complexfloating):
+    return np.dtype(jnp.promote_types(dtype, jnp.complex64))
+  return dtype
+
+
+def _leaf_mask(weight_decay_mask: Any, params: Any) -> Any:
+  """Per-leaf weight-decay mask; a mask may be a prefix of the params tree."""
+  if weight_decay_mask is None:
+    return jax.tree.map(lambda _: True, params)
+  mask = weight_decay_mask(params) if callable(weight_decay_mask) else weight_decay_mask
+  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
+
+
+def scale_by_adafactor(
+    learning_rate: optax.ScalarOrSchedule | None,
+    min_dim_size_to_factor: int,
+    decay_rate: jax.typing.ArrayLike,
+    decay_offset: jax.typing.ArrayLike,
+    multiply_by_parameter_scale: bool,
+    clipping_threshold: jax.typing.ArrayLike | None,
+    momentum: jax.typing.ArrayLike | None,
+    dtype_momentum: Any,
+    weight_decay_rate: jax.typing.ArrayLike | None,
+    eps: jax.typing.ArrayLike,
+    factored: bool,
+    weight_decay_mask: Any,
+    *,
+    state_dtype: str | None,
+    beta2_cap: jax.typing.ArrayLike | None,
+    min_parameter_scale: jax.typing.ArrayLike,
+    max_parameter_scale: jax.typing.ArrayLike | None,
+) -> WitnessedTransformation:
+  """The whole Adafactor step for each leaf in one function, in the compute dtype.
+
+  Chaining optax's clipping and parameter-scale transforms would round the
+  update to the parameter dtype between links (float16 overflows at |u| > 256);
+  here the update stays in float32 (or wider) from the gradient to the final cast.
+  """
+  needs_params = multiply_by_parameter_scale or weight_decay_rate is not None
+
+  def init_fn(params):
+    plan_for = moments.factor_plan_fn(factored, min_dim_size_to_factor)
+    second_moment = moments.init_second_moment(params, plan_for, state_dtype, eps)
+    first_moment = None
+    if momentum is not None:
+      first_moment = jax.tree.map(
+          lambda p: jnp.zeros(p.shape, _momentum_dtype(dtype_momentum, p.dtype)), params
+      )
+    return SafefactorState(jnp.zeros([], jnp.int32), second_moment, first_moment)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None and needs_params:
+      raise ValueError(
+          "safefactor needs params in update(grads, state, params) when "
+          "multiply_by_parameter_scale is on or weight_decay_rate is set"
+      )
+    moments.check_update_inputs(updates, state.second_moment, params)
+    beta2 = moments.second_moment_decay(state.count, decay_rate, decay_offset, None, beta2_cap)
+    if learning_rate is None:
+      lr = None
+    else:
+      lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    decay_mask = _leaf_mask(weight_decay_mask, updates) if weight_decay_rate is not None else None
+
+    def update_leaf(grad, moment, first_moment, param, decay_this_leaf):
+      ct = numerics.compute_dtype(grad.dtype)
+      real_ct = numerics.real_dtype(ct)
+      u, new_moment, finite = moments.scale_by_moment(grad.astype(ct), moment, beta2, eps)
+      if clipping_threshold is not None:
+        mean_square = numerics.mean_abs_sq(u)
+        finite &= jnp.isfinite(mean_square)
+        threshold = jnp.asarray(clipping_threshold, real_ct)
+        u = u / jnp.maximum(jnp.asarray(1, real_ct), jnp.sqrt(mean_square) / threshold)
+      if lr is not None:
+        lr_value = jnp.asarray(lr, real_ct)
+        finite &= jnp.isfinite(lr_value)
+        u = u * lr_value
+      param_checked = False
+      if multiply_by_parameter_scale:
+        rms = jnp.sqrt(numerics.mean_abs_sq(param.astype(ct)))
+        finite &= jnp.isfinite(rms)
+        param_checked = True
+        min_scale = jnp.asarray(min_parameter_scale, real_ct)
+        scale = jnp.where(rms <= min_scale, min_scale, rms)
+        if max_parameter_scale is not None:
+          scale = jnp.minimum(scale, jnp.asarray(max_parameter_scale, real_ct))
+        u = u * scale
+      new_first_moment = None
+      if momentum is not None:
+        beta1 = jnp.asarray(momentum, real_ct)
+        u = (1 - beta1) * u + beta1 * first_moment.astype(ct)
+        new_first_moment = u.astype(first_moment.dtype)
+      if weight_decay_rate is not None and decay_this_leaf is not False:
+        decay = jnp.asarray(weight_decay_rate, real_ct) * param.astype(ct)
+        if decay_this_leaf is not True:
+          decay = jnp.where(decay_this_leaf, decay, jnp.zeros((), ct))
+        if not param_checked:
+          finite &= numerics.all_finite(param)
+        u = u + decay
+      return numerics.saturating_cast(-u, grad.dtype), new_moment, new_first_moment, finite
+
+    none_tree = jax.tree.map(lambda _: None, updates)
+    results = jax.tree.map(
+        update_leaf,
+        updates,
+        state.second_moment,
+        none_tree if momentum is None else state.momentum,
+        none_tree if params is None else params,
+        none_tree if decay_mask is None else decay_mask,
+    )
+    new_updates, new_second, new_first, finite = unzip_leaf_results(updates, results, 4)
+    new_state = SafefactorState(
+        optax.safe_increment(state.count), new_second, new_first if momentum is not None else None
+    )
+    return new_updates, new_state, finite
+
+  return WitnessedTransformation(init_fn, update_fn)
+
+
+def safefactor(
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    min_dim_size_to_factor: int = 128,
+    decay_rate: float = 0.8,
+    decay_offset: int = 0,
+    multiply_by_parameter_scale: bool = True,
+    clipping_threshold: float | None = 1.0,
+    momentum: float | None = None,
+    dtype_momentum: Any = "float32",
+    weight_decay_rate: float | None = None,
+    eps: float = 1e-30,
+    factored: bool = True,
+    weight_decay_mask: Any = None,
+    *,
+    state_dtype: str | None = None,
+    beta2_cap: float | None = None,
+    min_parameter_scale: float = 1e-3,
+    max_parameter_scale: float | None = None,
+    skip_nonfinite_steps: bool = True,
+    max_consecutive_skips: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Adafactor that is safe in float16, bfloat16 and float32: a drop-in for ``optax.adafactor``.
+
+  Same positional arguments, defaults and (on healthy float32 inputs) results as
+  :func:`optax.adafactor`, with these differences:
+
+  - all arithmetic runs in float32 (float64 for float64 inputs) and the second
+    moment is stored in float32, whatever the parameter dtype; updates are cast
+    back to the gradient dtype at the end, clamped to its finite range;
+  - the statistics start at an epsilon floor and every rsqrt and divisor is
+    floored, so zero gradients, dead units and masked parameters are safe;
+  - the factored statistics keep all axes (keepdims), so a tall matrix gets the
+    transpose of the update of its transpose;
+  - a step whose updates or new state would be non-finite is skipped and counted
+    (see :func:`skip_nonfinite`), unless ``skip_nonfinite_steps=False``.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_safefactor as osf
+    >>> def loss(params):
+    ...   return jnp.sum((params["w"] - 1.0) ** 2)
+    >>> tx = osf.safefactor(learning_rate=0.1)
+    >>> params = {"w": jnp.zeros((4, 3))}
+    >>> state = tx.init(params)
+    >>> for _ in range(50):
+    ...   updates, state = tx.update(jax.grad(loss)(params), state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> print(f"{loss(params):.4f}")
+    0.0000
+
+  Args:
+    learning_rate: a scalar or an ``optax`` schedule; ``None`` leaves the
+      updates unscaled (to scale them later in a chain).
+    min_dim_size_to_factor: factor a leaf only when its two largest axes both have
+      at least this many elements.
+    decay_rate: exponent of beta2's power schedule ``1 - (t + 1) ** -decay_rate``.
+    decay_offset: step at which the beta2 schedule starts (fine-tuning).
+    multiply_by_parameter_scale: scale updates by ``max(rms(param), min_parameter_scale)``.
+    clipping_threshold: clip each leaf's update to this RMS; ``None`` for no clipping.
+    momentum: decay of an (undebiased) first moment; ``None`` for no momentum.
+    dtype_momentum: dtype name of the first moment.
+    weight_decay_rate: decoupled weight decay, or ``None``.
+    eps: added to squared gradients; also the floor under every rsqrt.
+    factored: whether to factor second moments at all.
+    weight_decay_mask: a tree (or a function of params returning one) of bools
+      choosing the leaves that decay.
+    state_dtype: dtype name of the second moment; ``None`` for float32 (float64 for
+      float64 params).
+    beta2_cap: an upper bound on beta2, as big_vision's 0.999; ``None`` for none.
+    min_parameter_scale: the smallest parameter scale (``optax``'s 1e-3).
+    max_parameter_scale: the largest parameter scale, or ``None``.
+    skip_nonfinite_steps: wrap the transformation in :func:`skip_nonfinite`.
+    max_consecutive_skips: passed to :func:`skip_nonfinite` as ``max_consecutive``.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs`.
+
+  References:
+    Shazeer et al, `Adafactor: Adaptive Learning Rates with Sublinear Memory
+    Cost <https://arxiv.org/abs/1804.04235>`_, 2018
+
+    Zhai et al, `Scaling Vision Transformers <https://arxiv.org/abs/2106.04560>`_, 2021
+  """
+  _validate(
+      decay_rate=decay_rate, min_dim_size_to_factor=min_dim_size_to_factor,
+      clipping_threshold=clipping_threshold, momentum=momentum, eps=eps, beta2_cap=beta2_cap,
+      min_parameter_scale=min_parameter_scale, max_parameter_scale=max_parameter_scale,
+      learning_rate=learning_rate, weight_decay_rate=weight_decay_rate,
+  )
+  core = scale_by_adafactor(
+      learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
+      multiply_by_parameter_scale, clipping_threshold, momentum, dtype_momentum,
+      weight_decay_rate, eps, factored, weight_decay_mask,
+      state_dtype=state_dtype, beta2_cap=beta2_cap, min_parameter_scale=min_parameter_scale,
+      max_parameter_scale=max_parameter_scale,
+  )
+  if not skip_nonfinite_steps:
+    return core
+  return skip_nonfinite(core, max_consecutive_skips)

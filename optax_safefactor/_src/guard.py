@@ -1,0 +1,227 @@
+"""Skip and count non-finite steps instead of stepping on NaN."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_safefactor._src import checks, numerics
+from optax_safefactor._src.base import WitnessedTransformation, tree_all, unzip_leaf_results
+
+
+class SkipNonfiniteState(NamedTuple):
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    inner_state: the wrapped transformation's state, as of the last applied step.
+    skipped_steps: total number of skipped steps (int32).
+    consecutive_skips: skipped steps since the last applied one (int32).
+    step: number of ``update`` calls, applied or skipped (int32).
+    nonfinite_steps: per leaf, the number of steps in which that leaf's output
+      was non-finite (int32 scalars, shaped like the params).
+    last_nonfinite_step: per leaf, the value of ``step`` the last time that leaf
+      was non-finite, or -1 (int32 scalars, shaped like the params).
+  """
+
+  inner_state: Any
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  step: jax.Array
+  nonfinite_steps: Any
+  last_nonfinite_step: Any
+
+
+class NonFiniteStepsError(FloatingPointError):
+  """Raised when ``max_consecutive`` steps in a row were skipped."""
+
+
+def _per_leaf(params: Any, value: int) -> Any:
+  return jax.tree.map(lambda _: jnp.asarray(value, jnp.int32), params)
+
+
+def _generic_update_with_witness(inner: optax.GradientTransformation):
+  """Witness for a transformation that does not report one: scan every output."""
+
+  def update(updates, state, params=None, **extra_args):
+    new_updates, new_state = optax.with_extra_args_support(inner).update(
+        updates, state, params, **extra_args
+    )
+    leaf_finite = jax.tree.map(numerics.all_finite, new_updates)
+    state_finite = tree_all(
+        [
+            numerics.all_finite(leaf)
+            for leaf in jax.tree.leaves(new_state)
+            if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact)
+        ]
+    )
+    leaf_finite = jax.tree.map(lambda finite: finite & state_finite, leaf_finite)
+    return new_updates, new_state, leaf_finite
+
+  return update
+
+
+def _raise_nonfinite_steps(consecutive, step, leaf_finite, *, leaf_names, max_consecutive):
+  bad = [name for name, finite in zip(leaf_names, np.asarray(leaf_finite)) if not finite]
+  raise NonFiniteStepsError(
+      f"{int(consecutive)} consecutive optimizer steps were non-finite and skipped "
+      f"(max_consecutive={max_consecutive}); at step {int(step)} the non-finite leaves were: "
+      f"{', '.join(bad) or '(optimizer state only)'}. Params and optimizer state hold the last "
+      "finite step."
+  )
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation, max_consecutive: int | None = None
+) -> optax.GradientTransformationExtraArgs:
+  """Skip, and count, every step whose updates or new state would be non-finite.
+
+  A skipped step returns zero updates and leaves ``inner``'s state exactly as it
+  was (its count, moments and momentum included), so a run with a poisoned step
+  equals the run without that step. The decision is taken on what ``inner``
+  *produces*, so NaN or Inf made inside the transformation (a finite gradient
+  whose square overflows, say) is caught as well as a bad incoming gradient.
+
+  When ``inner`` reports a per-leaf finiteness witness (every transformation of
+  this package does), the decision costs a few scalar reductions of statistics
+  it computes anyway. Any other transformation is wrapped too, at the price of one
+  reduction over each output.
+
+  Skipping is all or nothing for a step. Per-leaf counters record which leaves
+  were non-finite, and when; see :func:`skipped_steps` and the state's fields.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_safefactor as osf
+    >>> tx = osf.skip_nonfinite(optax.adam(1e-3))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan, 0.0])}, state, params)
+    >>> updates["w"], int(osf.skipped_steps(state))
+    (Array([0., 0., 0.], dtype=float32), 1)
+
+  Args:
+    inner: any optax transformation.
+    max_consecutive: if given, the step that makes this many consecutive skips
+      raises :class:`NonFiniteStepsError` (naming the non-finite leaves) through a
+      host callback, so persistently broken training stops instead of idling. The
+      error surfaces at the next synchronisation with the device; everything
+      computed since the last applied step was skipped, so nothing is lost. ``None``
+      (the default) skips for ever.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`SkipNonfiniteState`.
+  """
+  if max_consecutive is not None and int(max_consecutive) < 1:
+    raise ValueError(f"max_consecutive must be a positive int or None, got {max_consecutive!r}")
+  if isinstance(inner, WitnessedTransformation):
+    update_with_witness = inner.update_with_witness
+  else:
+    update_with_witness = _generic_update_with_witness(inner)
+
+  def init_fn(params):
+    return SkipNonfiniteState(
+        inner_state=inner.init(params),
+        skipped_steps=jnp.zeros([], jnp.int32),
+        consecutive_skips=jnp.zeros([], jnp.int32),
+        step=jnp.zeros([], jnp.int32),
+        nonfinite_steps=_per_leaf(params, 0),
+        last_nonfinite_step=_per_leaf(params, -1),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_inner_state, leaf_finite = update_with_witness(
+        updates, state.inner_state, params, **extra_args
+    )
+    step_finite = tree_all(jax.tree.leaves(leaf_finite))
+
+    def keep_if_finite(new, old):
+      return jnp.where(step_finite, new, jnp.asarray(old, new.dtype))
+
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(step_finite, u, jnp.zeros((), u.dtype)), new_updates
+    )
+    new_inner_state = jax.tree.map(keep_if_finite, new_inner_state, state.inner_state)
+
+    def count_leaf(count, last, finite):
+      return (
+          jnp.where(finite, count, optax.safe_increment(count)),
+          jnp.where(finite, last, state.step),
+      )
+
+    counted = jax.tree.map(count_leaf, state.nonfinite_steps, state.last_nonfinite_step,
+                           leaf_finite)
+    nonfinite_steps, last_nonfinite_step = unzip_leaf_results(state.nonfinite_steps, counted, 2)
+    consecutive = jnp.where(step_finite, 0, optax.safe_increment(state.consecutive_skips))
+
+    if max_consecutive is not None:
+      flat = jax.tree_util.tree_flatten_with_path(leaf_finite)[0]
+      leaf_names = tuple(checks.path_name(path) for path, _ in flat)
+      finite_vector = (
+          jnp.stack([finite for _, finite in flat]) if flat else jnp.zeros([0], bool)
+      )
+
+      def report():
+        jax.debug.callback(
+            lambda c, s, f: _raise_nonfinite_steps(
+                c, s, f, leaf_names=leaf_names, max_consecutive=max_consecutive
+            ),
+            consecutive, state.step, finite_vector,
+        )
+
+      jax.lax.cond(consecutive >= max_consecutive, report, lambda: None)
+
+    new_state = SkipNonfiniteState(
+        inner_state=new_inner_state,
+        skipped_steps=jnp.where(
+            step_finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+        ),
+        consecutive_skips=consecutive,
+        step=optax.safe_increment(state.step),
+        nonfinite_steps=nonfinite_steps,
+        last_nonfinite_step=last_nonfinite_step,
+    )
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _skip_states(opt_state: Any) -> list[SkipNonfiniteState]:
+  def is_skip_state(x):
+    return isinstance(x, SkipNonfiniteState)
+
+  return [x for x in jax.tree.leaves(opt_state, is_leaf=is_skip_state) if is_skip_state(x)]
+
+
+def skipped_steps(opt_state: Any) -> jax.Array:
+  """Total skipped steps of every :func:`skip_nonfinite` found anywhere in a state.
+
+  Works through ``optax.chain``, ``inject_hyperparams``, ``MultiSteps`` and any
+  other nesting.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(learning_rate=0.1)
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.full((2, 3), jnp.inf)}, state, params)
+    >>> osf.skipped_steps(state)
+    Array(1, dtype=int32)
+
+  Raises:
+    ValueError: when the state holds no :func:`skip_nonfinite` state.
+  """
+  found = _skip_states(opt_state)
+  if not found:
+    raise ValueError(
+        "no skip_nonfinite state found in opt_state; was the optimizer built with "
+        "skip_nonfinite (safefactor does so unless skip_nonfinite_steps=False)?"
+    )
+  return sum((jnp.asarray(s.skipped_steps, jnp.int32) for s in found[1:]),
+             jnp.asarray(found[0].skipped_steps, jnp.int32))

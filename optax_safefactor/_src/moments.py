@@ -1,0 +1,283 @@
+"""The factored second moment: state types, initialisation and the per-leaf update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_safefactor._src import checks, numerics
+from optax_safefactor._src.base import WitnessedTransformation, unzip_leaf_results
+from optax_safefactor._src.plan import FactorPlan, default_plan, plan_from_stat_shapes
+
+DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
+
+
+class FactoredMoment(NamedTuple):
+  """Second moment of a factored leaf, kept with all of the leaf's axes (keepdims).
+
+  Attributes:
+    v_row: the leaf's shape with the column axes set to 1.
+    v_col: the leaf's shape with the row axes set to 1.
+  """
+
+  v_row: jax.Array
+  v_col: jax.Array
+
+
+class FullMoment(NamedTuple):
+  """Second moment of an unfactored leaf: one statistic per element."""
+
+  v: jax.Array
+
+
+Moment = FactoredMoment | FullMoment
+
+
+def is_moment(x: Any) -> bool:
+  return isinstance(x, (FactoredMoment, FullMoment))
+
+
+class SafeFactoredState(NamedTuple):
+  """State of :func:`scale_by_safe_factored_rms`.
+
+  Attributes:
+    count: number of steps taken (skipped steps are not counted).
+    second_moment: one :class:`FactoredMoment` or :class:`FullMoment` per leaf.
+  """
+
+  count: jax.Array
+  second_moment: Any
+
+
+def power_decay(step: jax.Array, exponent: jax.typing.ArrayLike) -> jax.Array:
+  """Adafactor's second-moment decay ``1 - (step + 1) ** -exponent``."""
+  t = jnp.asarray(step, jnp.float32) + 1.0
+  return 1.0 - t ** (-jnp.asarray(exponent, jnp.float32))
+
+
+def second_moment_decay(
+    count: jax.Array,
+    decay_rate: jax.typing.ArrayLike,
+    step_offset: jax.typing.ArrayLike,
+    decay_rate_fn: DecayRateFn | None,
+    beta2_cap: jax.typing.ArrayLike | None,
+) -> jax.Array:
+  """beta2 for this step, as a float32 scalar.
+
+  The local step ``count - step_offset`` is clamped at 0: with a large offset the
+  power schedule would otherwise raise a negative base to a fractional power.
+  """
+  local_step = jnp.maximum(
+      jnp.asarray(count, jnp.int32) - jnp.asarray(step_offset, jnp.int32), 0
+  )
+  schedule = power_decay if decay_rate_fn is None else decay_rate_fn
+  beta2 = jnp.asarray(schedule(local_step, decay_rate), jnp.float32)
+  if beta2_cap is not None:
+    beta2 = jnp.minimum(beta2, jnp.asarray(beta2_cap, jnp.float32))
+  return beta2
+
+
+def init_moment(
+    param: jax.Array,
+    plan: FactorPlan | None,
+    state_dtype: numerics.DTypeLike | None,
+    epsilon: jax.typing.ArrayLike,
+) -> Moment:
+  """Statistics for one leaf, filled with the epsilon floor rather than zeros."""
+  dtype = numerics.resolve_state_dtype(state_dtype, param.dtype)
+  floor = numerics.positive_floor(epsilon, dtype)
+  if plan is None:
+    return FullMoment(v=jnp.full(param.shape, floor, dtype))
+  return FactoredMoment(
+      v_row=jnp.full(plan.row_stat_shape(param.shape), floor, dtype),
+      v_col=jnp.full(plan.col_stat_shape(param.shape), floor, dtype),
+  )
+
+
+def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
+  return beta2 * old.astype(new_mean.dtype) + (1.0 - beta2) * new_mean
+
+
+def scale_by_moment(
+    grad: jax.Array,
+    moment: Moment,
+    beta2: jax.Array,
+    epsilon: jax.typing.ArrayLike,
+) -> tuple[jax.Array, Moment, jax.Array]:
+  """One leaf's step: update the statistics, scale the gradient by their rsqrt.
+
+  Args:
+    grad: the gradient, already in the compute dtype (at least float32).
+    moment: the leaf's current statistics.
+    beta2: this step's decay, a scalar.
+    epsilon: added to ``|grad|**2``; also the floor under every rsqrt.
+
+  Returns:
+    ``(scaled, new_moment, finite)``: the scaled gradient in the compute dtype, the
+    new statistics in the state dtype, and a scalar bool that is True exactly when
+    the new statistics are finite. ``scaled`` is then finite too: it is at most
+    ``|grad| / sqrt(floor)`` and ``|grad|**2`` is part of the statistics.
+  """
+  stat_dtype = numerics.real_dtype(grad.dtype)
+  beta2 = beta2.astype(stat_dtype)
+  floor = numerics.positive_floor(epsilon, stat_dtype)
+  grad_sq = numerics.abs_sq(grad) + jnp.asarray(epsilon, stat_dtype)
+
+  if isinstance(moment, FullMoment):
+    new_v = _blend(moment.v, grad_sq, beta2).astype(moment.v.dtype)
+    # Read back what is stored, so this step uses exactly the statistics the next one sees.
+    scale = jax.lax.rsqrt(jnp.maximum(new_v.astype(stat_dtype), floor))
+    return grad * scale, FullMoment(new_v), numerics.all_finite(new_v)
+
+  plan = plan_from_stat_shapes(grad.shape, moment.v_row.shape, moment.v_col.shape)
+  new_row = _blend(moment.v_row, jnp.mean(grad_sq, plan.col_axes, keepdims=True), beta2)
+  new_col = _blend(moment.v_col, jnp.mean(grad_sq, plan.row_axes, keepdims=True), beta2)
+  new_row = new_row.astype(moment.v_row.dtype)
+  new_col = new_col.astype(moment.v_col.dtype)
+  row = jnp.maximum(new_row.astype(stat_dtype), floor)
+  col = jnp.maximum(new_col.astype(stat_dtype), floor)
+  normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
+  # rsqrt(v_row * v_col / mean(v_row)), from row- and column-sized factors; the cap is
+  # the rsqrt of the floor, reached only where the factored estimate underflows.
+  row_factor = jnp.sqrt(normaliser / row)
+  col_factor = jax.lax.rsqrt(col)
+  scale = jnp.minimum(row_factor * col_factor, jax.lax.rsqrt(floor))
+  finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
+  return grad * scale, FactoredMoment(new_row, new_col), finite
+
+
+def check_moment_fits(path: checks.KeyPath, moment: Moment, grad: jax.Array) -> None:
+  for name, stat in moment._asdict().items():
+    checks.check_stat_fits(path, name, stat, grad)
+
+
+def factor_plan_fn(
+    factored: bool, min_dim_size_to_factor: Any
+) -> Callable[[checks.KeyPath, jax.Array], FactorPlan | None]:
+  """The default plan as a function of ``(path, param)``; needs a concrete size."""
+  if not numerics.is_concrete(min_dim_size_to_factor):
+    raise TypeError(
+        "min_dim_size_to_factor is traced inside init; it decides state shapes, so give it "
+        "as a Python int (with optax.inject_hyperparams pass "
+        "static_args=('min_dim_size_to_factor',) or call init outside jax.jit)"
+    )
+  min_size = int(min_dim_size_to_factor)
+
+  def plan_for(path: checks.KeyPath, param: jax.Array) -> FactorPlan | None:
+    del path
+    return default_plan(param.shape, factored, min_size)
+
+  return plan_for
+
+
+def init_second_moment(params: Any, plan_for, state_dtype, epsilon) -> Any:
+  """The tree of per-leaf statistics for ``params``."""
+
+  def init_leaf(path, param):
+    checks.check_inexact_leaf(path, param)
+    return init_moment(param, plan_for(path, param), state_dtype, epsilon)
+
+  return jax.tree_util.tree_map_with_path(init_leaf, params)
+
+
+def check_update_inputs(grads: Any, second_moment: Any, params: Any | None) -> None:
+  """Static checks of ``update``'s inputs, with the parameter path in every message."""
+  if params is not None:
+    checks.check_same_structure(grads, params, "params")
+    jax.tree_util.tree_map_with_path(checks.check_grad_matches_param, grads, params)
+  moment_tree = jax.tree.map(lambda _: 0, second_moment, is_leaf=is_moment)
+  checks.check_same_structure(grads, moment_tree, "the optimizer state")
+  jax.tree_util.tree_map_with_path(
+      lambda path, grad, moment: check_moment_fits(path, moment, grad), grads, second_moment
+  )
+
+
+def scale_by_safe_factored_rms(
+    factored: bool = True,
+    decay_rate: jax.typing.ArrayLike = 0.8,
+    step_offset: jax.typing.ArrayLike = 0,
+    min_dim_size_to_factor: int = 128,
+    epsilon: jax.typing.ArrayLike = 1e-30,
+    decay_rate_fn: DecayRateFn | None = None,
+    *,
+    state_dtype: str | None = None,
+    beta2_cap: jax.typing.ArrayLike | None = None,
+) -> WitnessedTransformation:
+  r"""Scale updates by a factored estimate of the gradient RMS, safely (as in Adafactor).
+
+  A drop-in for :func:`optax.scale_by_factored_rms` (same positional arguments)
+  that keeps its statistics in float32 whatever the parameter dtype, starts them
+  at an epsilon floor, floors every rsqrt, clamps the local step at 0 and stores
+  the factored statistics with keepdims shapes, so the update reads the factored
+  axes off the state and tall and wide matrices are treated alike.
+
+  For a factored leaf with row axes :math:`R` and column axes :math:`C`,
+
+  .. math::
+    r_t = \beta_t r_{t-1} + (1-\beta_t)\,\mathrm{mean}_C(g^2+\epsilon), \quad
+    c_t = \beta_t c_{t-1} + (1-\beta_t)\,\mathrm{mean}_R(g^2+\epsilon), \quad
+    u = g \big/ \sqrt{r_t c_t / \mathrm{mean}_R(r_t)},
+
+  with :math:`\beta_t = 1 - (t+1)^{-\text{decay\_rate}}`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.scale_by_safe_factored_rms(min_dim_size_to_factor=2)
+    >>> params = {"w": jnp.ones((3, 2), jnp.float16)}
+    >>> state = tx.init(params)
+    >>> state.second_moment["w"].v_row.shape, state.second_moment["w"].v_row.dtype
+    ((1, 2), dtype('float32'))
+    >>> updates, state = tx.update({"w": jnp.zeros((3, 2), jnp.float16)}, state, params)
+    >>> bool(jnp.isfinite(updates["w"]).all())
+    True
+
+  Args:
+    factored: whether to factor the second moment of leaves of rank 2 and more.
+    decay_rate: exponent of the power decay schedule of beta2.
+    step_offset: steps before this count use the first step's decay (fine-tuning).
+    min_dim_size_to_factor: factor only when both factored axes have this size.
+    epsilon: added to the squared gradient; also the floor under every rsqrt
+      (never below the compute dtype's smallest normal).
+    decay_rate_fn: ``(step, decay_rate) -> beta2``; ``None`` for the power decay.
+    state_dtype: dtype name of the statistics; ``None`` for float32 (float64 for
+      float64 parameters).
+    beta2_cap: an upper bound on beta2 (0.999 in big_vision), or ``None``.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs`.
+
+  References:
+    Shazeer et al, `Adafactor: Adaptive Learning Rates with Sublinear Memory
+    Cost <https://arxiv.org/abs/1804.04235>`_, 2018
+  """
+
+  def init_fn(params):
+    plan_for = factor_plan_fn(factored, min_dim_size_to_factor)
+    return SafeFactoredState(
+        count=jnp.zeros([], jnp.int32),
+        second_moment=init_second_moment(params, plan_for, state_dtype, epsilon),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    check_update_inputs(updates, state.second_moment, params)
+    beta2 = second_moment_decay(state.count, decay_rate, step_offset, decay_rate_fn, beta2_cap)
+
+    def update_leaf(grad, moment):
+      scaled, new_moment, finite = scale_by_moment(
+          grad.astype(numerics.compute_dtype(grad.dtype)), moment, beta2, epsilon
+      )
+      return numerics.saturating_cast(scaled, grad.dtype), new_moment, finite
+
+    results = jax.tree.map(update_leaf, updates, state.second_moment)
+    new_updates, new_moments, finite = unzip_leaf_results(updates, results, 3)
+    new_state = SafeFactoredState(optax.safe_increment(state.count), new_moments)
+    return new_updates, new_state, finite
+
+  return WitnessedTransformation(init_fn, update_fn)
+
