@@ -49,7 +49,7 @@ def _validate(
 def _momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
   dtype = np.dtype(jnp.dtype(dtype_momentum))
   if jnp.issubdtype(param_dtype, jnp.complexfloating):
-    return np.dtype(jnp.promote_types(dtype, jnp.complex64))
+    return np.dtype(jnp.complex128) if dtype.itemsize >= 8 else np.dtype(jnp.complex64)
   return dtype
 
 

@@ -39,6 +39,20 @@ class NonFiniteStepsError(FloatingPointError):
   """Raised when ``max_consecutive`` steps in a row were skipped."""
 
 
+def _all_once(bools: list[jax.Array]) -> jax.Array:
+  """All of ``bools`` as one scalar that the compiler computes once.
+
+  Every leaf's output reads this flag. A plain ``and`` of the leaves' bools is cheap
+  enough that XLA copies the whole chain into the fused kernel of every leaf, which
+  makes compile time quadratic in the number of leaves; routing the flag through an
+  ``exp`` (an op XLA will not duplicate) keeps one copy.
+  """
+  if not bools:
+    return jnp.array(True)
+  probes = jnp.stack([jnp.where(b, 0.0, jnp.nan).astype(jnp.float32) for b in bools])
+  return jnp.isfinite(jnp.exp(jnp.sum(probes)))
+
+
 def _per_leaf(params: Any, value: int) -> Any:
   return jax.tree.map(lambda _: jnp.asarray(value, jnp.int32), params)
 
@@ -138,7 +152,7 @@ def skip_nonfinite(
     new_updates, new_inner_state, leaf_finite = update_with_witness(
         updates, state.inner_state, params, **extra_args
     )
-    step_finite = tree_all(jax.tree.leaves(leaf_finite))
+    step_finite = _all_once(jax.tree.leaves(leaf_finite))
 
     def keep_if_finite(new, old):
       return jnp.where(step_finite, new, jnp.asarray(old, new.dtype))

@@ -19,7 +19,11 @@ def compute_dtype(dtype: DTypeLike) -> np.dtype:
   >>> compute_dtype(jnp.complex64)
   dtype('complex64')
   """
-  return np.dtype(jnp.promote_types(dtype, jnp.float32))
+  dtype = np.dtype(dtype)
+  # Written out rather than promote_types, which strict dtype promotion refuses for bf16.
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return np.dtype(jnp.complex128) if dtype.itemsize >= 16 else np.dtype(jnp.complex64)
+  return np.dtype(jnp.float64) if dtype.itemsize >= 8 else np.dtype(jnp.float32)
 
 
 def real_dtype(dtype: DTypeLike) -> np.dtype:

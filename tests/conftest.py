@@ -1,0 +1,36 @@
+"""Test session set-up: 8 CPU devices and strict promotion, before JAX starts its backend."""
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "default",
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+settings.load_profile("default")
+
+
+@pytest.fixture
+def rng():
+  return np.random.default_rng(0)
+
+
+@pytest.fixture
+def x64():
+  """Enable float64 for one test and restore the previous setting afterwards."""
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", previous)

@@ -1,0 +1,62 @@
+"""Shared test helpers: trees of parameters and running optimizers for several steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def random_tree(rng: np.random.Generator, shapes: dict, dtype=jnp.float32, scale=1.0) -> dict:
+  return {
+      name: jnp.asarray(rng.normal(size=shape) * scale, dtype) for name, shape in shapes.items()
+  }
+
+
+def run_steps(
+    tx: optax.GradientTransformation,
+    params: dict,
+    grads_for_step: Callable[[int], dict],
+    steps: int,
+    jit: bool = True,
+):
+  """Apply ``steps`` updates; returns (params, state, list of per-step updates)."""
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  history = []
+  for step in range(steps):
+    updates, state = update(grads_for_step(step), state, params)
+    params = optax.apply_updates(params, updates)
+    history.append(updates)
+  return params, state, history
+
+
+def max_relative_error(actual, expected, scale: float | None = None) -> float:
+  """Largest absolute difference over ``scale`` (default: the largest |expected|)."""
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  if not expected.size:
+    return 0.0
+  if scale is None:
+    scale = float(np.max(np.abs(expected)))
+  return float(np.max(np.abs(actual - expected)) / max(scale, 1e-30))
+
+
+def tree_all_finite(tree) -> bool:
+  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact))
+
+
+def assert_trees_close(actual, expected, rtol: float) -> None:
+  """Leafwise closeness with an absolute slack of ``rtol`` times the leaf's largest value.
+
+  Weight decay and momentum can cancel an update to near zero, where only an error
+  relative to the leaf's scale is meaningful.
+  """
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    e = np.asarray(e, np.float64)
+    atol = rtol * float(np.max(np.abs(e))) if e.size else 0.0
+    np.testing.assert_allclose(np.asarray(a, np.float64), e, rtol=rtol, atol=atol)

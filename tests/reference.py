@@ -1,0 +1,82 @@
+"""Adafactor in float64 NumPy, written from the paper, as the tests' independent reference.
+
+Shazeer and Stern 2018, Algorithms 4 and 5, generalised so that the factored
+statistics keep every axis (keepdims): axes that are neither rows nor columns are
+batch axes and keep their size in both statistics. Clipping and the parameter scale
+span the whole leaf, as in ``optax.adafactor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ReferenceAdafactor:
+  learning_rate: float | None = None
+  decay_rate: float = 0.8
+  decay_offset: int = 0
+  multiply_by_parameter_scale: bool = True
+  clipping_threshold: float | None = 1.0
+  momentum: float | None = None
+  weight_decay_rate: float | None = None
+  eps: float = 1e-30
+  min_parameter_scale: float = 1e-3
+  beta2_cap: float | None = None
+  count: int = 0
+  row: dict = field(default_factory=dict)
+  col: dict = field(default_factory=dict)
+  full: dict = field(default_factory=dict)
+  first: dict = field(default_factory=dict)
+
+  def init(self, name: str, shape: tuple[int, ...], plan):
+    """``plan`` is ``(row_axes, col_axes)`` or ``None`` for an unfactored leaf."""
+    floor = max(self.eps, np.finfo(np.float32).tiny)
+    if plan is None:
+      self.full[name] = np.full(shape, floor)
+    else:
+      row_axes, col_axes = plan
+      self.row[name] = np.full([1 if a in col_axes else s for a, s in enumerate(shape)], floor)
+      self.col[name] = np.full([1 if a in row_axes else s for a, s in enumerate(shape)], floor)
+    self.first[name] = np.zeros(shape)
+    self.plans = {**getattr(self, "plans", {}), name: plan}
+
+  def beta2(self) -> float:
+    t = max(self.count - self.decay_offset, 0) + 1
+    beta2 = 1.0 - t ** (-self.decay_rate)
+    return beta2 if self.beta2_cap is None else min(beta2, self.beta2_cap)
+
+  def step(self, grads: dict, params: dict) -> dict:
+    """One step over a dict of leaves; returns float64 updates."""
+    beta2 = self.beta2()
+    updates = {}
+    for name, grad in grads.items():
+      g = np.asarray(grad, np.float64)
+      p = np.asarray(params[name], np.float64)
+      g_sq = g * g + self.eps
+      plan = self.plans[name]
+      if plan is None:
+        self.full[name] = beta2 * self.full[name] + (1 - beta2) * g_sq
+        v_hat = self.full[name]
+      else:
+        row_axes, col_axes = plan
+        self.row[name] = beta2 * self.row[name] + (1 - beta2) * g_sq.mean(col_axes, keepdims=True)
+        self.col[name] = beta2 * self.col[name] + (1 - beta2) * g_sq.mean(row_axes, keepdims=True)
+        v_hat = self.row[name] * self.col[name] / self.row[name].mean(row_axes, keepdims=True)
+      u = g / np.sqrt(v_hat)
+      if self.clipping_threshold is not None:
+        u = u / max(1.0, np.sqrt(np.mean(u * u)) / self.clipping_threshold)
+      if self.learning_rate is not None:
+        u = u * self.learning_rate
+      if self.multiply_by_parameter_scale:
+        u = u * max(np.sqrt(np.mean(p * p)), self.min_parameter_scale)
+      if self.momentum is not None:
+        self.first[name] = self.momentum * self.first[name] + (1 - self.momentum) * u
+        u = self.first[name]
+      if self.weight_decay_rate is not None:
+        u = u + self.weight_decay_rate * p
+      updates[name] = -u
+    self.count += 1
+    return updates
