@@ -60,3 +60,14 @@ def assert_trees_close(actual, expected, rtol: float) -> None:
     e = np.asarray(e, np.float64)
     atol = rtol * float(np.max(np.abs(e))) if e.size else 0.0
     np.testing.assert_allclose(np.asarray(a, np.float64), e, rtol=rtol, atol=atol)
+
+
+def assert_trees_equal(actual, expected) -> None:
+  """Bitwise equality, leaf by leaf."""
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def is_all_zero(x) -> bool:
+  """True when every element is exactly 0 (NaN is not)."""
+  return bool(np.all(np.asarray(x) == 0))

@@ -15,7 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_safefactor as osf
-from tests.helpers import assert_trees_close, random_tree, run_steps, tree_all_finite
+from tests.helpers import (
+  assert_trees_close,
+  assert_trees_equal,
+  is_all_zero,
+  random_tree,
+  run_steps,
+  tree_all_finite,
+)
 
 
 def _float16_problem(gradient_value: float):
@@ -37,7 +44,7 @@ def test_float16_zero_tiny_and_large_gradients(gradient_value):
   for updates in history:
     assert updates["w"].dtype == jnp.float16
     if gradient_value == 0.0:
-      assert float(jnp.max(jnp.abs(updates["w"]))) == 0.0
+      assert is_all_zero(updates["w"])
   if gradient_value != 0.0:
     # Unit RMS, times lr and the parameter scale 0.5, against the gradient's sign.
     np.testing.assert_allclose(history[0]["w"].astype(jnp.float32), -0.005, rtol=1e-3)
@@ -49,9 +56,8 @@ def test_float16_gradients_match_float32_run():
   grads32 = jax.tree.map(lambda x: x.astype(jnp.float32), grads16)
   _, state16, h16 = run_steps(osf.safefactor(0.01), params16, lambda _: grads16, 5)
   _, state32, h32 = run_steps(osf.safefactor(0.01), params32, lambda _: grads32, 5)
-  for a, b in zip(jax.tree.leaves(state16), jax.tree.leaves(state32)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  for a, b in zip(jax.tree.leaves(h16), jax.tree.leaves(h32)):
+  assert_trees_equal(state16, state32)
+  for a, b in zip(jax.tree.leaves(h16), jax.tree.leaves(h32), strict=True):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=1e-3)
 
 
@@ -149,11 +155,9 @@ def _poisoned_run(poison, momentum, steps=8, poisoned_step=3):
 )
 def test_one_poisoned_element_equals_run_without_that_step(poison, momentum):
   (params, state, history), (expected_params, expected_state, _) = _poisoned_run(poison, momentum)
-  assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(history[3]))
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected_params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(expected_state.inner_state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(is_all_zero(u) for u in jax.tree.leaves(history[3]))
+  assert_trees_equal(params, expected_params)
+  assert_trees_equal(state.inner_state, expected_state.inner_state)
   assert int(osf.skipped_steps(state)) == 1
   assert int(state.nonfinite_steps["w"]) == 1 and int(state.nonfinite_steps["b"]) == 0
   assert int(state.last_nonfinite_step["w"]) == 3 and int(state.last_nonfinite_step["b"]) == -1
@@ -174,9 +178,8 @@ def test_squared_gradient_overflow_is_caught_inside_the_transform():
   state = tx.init(params)
   updates, new_state = tx.update(grads, state, params)
   assert int(osf.skipped_steps(new_state)) == 1
-  assert float(jnp.max(jnp.abs(updates["w"]))) == 0.0
-  for a, b in zip(jax.tree.leaves(new_state.inner_state), jax.tree.leaves(state.inner_state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert is_all_zero(updates["w"])
+  assert_trees_equal(new_state.inner_state, state.inner_state)
 
 
 def test_decay_offset_larger_than_step_count(rng):
@@ -198,5 +201,5 @@ def test_all_zero_rows_and_dead_units_stay_finite():
   grads = {"w": jnp.zeros((200, 130), jnp.float16).at[:100].set(0.01)}
   _, state, history = run_steps(osf.safefactor(0.01), params, lambda _: grads, 5)
   assert tree_all_finite((state, history))
-  assert float(jnp.max(jnp.abs(history[-1]["w"][100:]))) == 0.0
+  assert is_all_zero(history[-1]["w"][100:])
   assert float(jnp.min(jnp.abs(history[-1]["w"][:100]))) > 0.0

@@ -121,11 +121,11 @@ def scale_by_adafactor(
         mean_square = numerics.mean_abs_sq(u)
         finite &= jnp.isfinite(mean_square)
         threshold = jnp.asarray(clipping_threshold, real_ct)
-        u = u / jnp.maximum(jnp.asarray(1, real_ct), jnp.sqrt(mean_square) / threshold)
+        u = u / jnp.maximum(jnp.asarray(1, real_ct), jnp.sqrt(mean_square) / threshold).astype(ct)
       if lr is not None:
         lr_value = jnp.asarray(lr, real_ct)
         finite &= jnp.isfinite(lr_value)
-        u = u * lr_value
+        u = u * lr_value.astype(ct)
       param_checked = False
       if multiply_by_parameter_scale:
         rms = jnp.sqrt(numerics.mean_abs_sq(param.astype(ct)))
@@ -135,14 +135,14 @@ def scale_by_adafactor(
         scale = jnp.where(rms <= min_scale, min_scale, rms)
         if max_parameter_scale is not None:
           scale = jnp.minimum(scale, jnp.asarray(max_parameter_scale, real_ct))
-        u = u * scale
+        u = u * scale.astype(ct)
       new_first_moment = None
       if momentum is not None:
-        beta1 = jnp.asarray(momentum, real_ct)
+        beta1 = jnp.asarray(momentum, real_ct).astype(ct)
         u = (1 - beta1) * u + beta1 * first_moment.astype(ct)
         new_first_moment = u.astype(first_moment.dtype)
       if weight_decay_rate is not None and decay_this_leaf is not False:
-        decay = jnp.asarray(weight_decay_rate, real_ct) * param.astype(ct)
+        decay = jnp.asarray(weight_decay_rate, real_ct).astype(ct) * param.astype(ct)
         if decay_this_leaf is not True:
           decay = jnp.where(decay_this_leaf, decay, jnp.zeros((), ct))
         if not param_checked:
@@ -212,9 +212,9 @@ def safefactor(
     >>> def loss(params):
     ...   return jnp.sum((params["w"] - 1.0) ** 2)
     >>> tx = osf.safefactor(learning_rate=0.1)
-    >>> params = {"w": jnp.zeros((4, 3))}
+    >>> params = {"w": jnp.full((4, 3), 0.5)}
     >>> state = tx.init(params)
-    >>> for _ in range(50):
+    >>> for _ in range(100):
     ...   updates, state = tx.update(jax.grad(loss)(params), state, params)
     ...   params = optax.apply_updates(params, updates)
     >>> print(f"{loss(params):.4f}")

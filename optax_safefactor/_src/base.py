@@ -55,6 +55,6 @@ def tree_all(bools: list[jax.Array]) -> jax.Array:
 def unzip_leaf_results(updates: Any, results: Any, arity: int) -> tuple[Any, ...]:
   """Split a tree of per-leaf tuples (shaped like ``updates``) into ``arity`` trees."""
   treedef = jax.tree.structure(updates)
-  columns = list(zip(*treedef.flatten_up_to(results))) or [()] * arity
+  columns = list(zip(*treedef.flatten_up_to(results), strict=True)) or [()] * arity
   return tuple(jax.tree.unflatten(treedef, column) for column in columns)
 

@@ -68,7 +68,7 @@ def check_grad_matches_param(path: KeyPath, grad: Any, param: Any) -> None:
 def check_stat_fits(path: KeyPath, name: str, stat: Any, grad: Any) -> None:
   """A statistic must have the grad's rank, with each axis equal to the grad's or 1."""
   fits = len(stat.shape) == len(grad.shape) and all(
-      s in (g, 1) for s, g in zip(stat.shape, grad.shape)
+      s in (g, 1) for s, g in zip(stat.shape, grad.shape, strict=True)
   )
   if not fits:
     raise ValueError(

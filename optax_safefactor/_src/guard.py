@@ -59,28 +59,41 @@ def _per_leaf(params: Any, value: int) -> Any:
 
 
 def _generic_update_with_witness(inner: optax.GradientTransformation):
-  """Witness for a transformation that does not report one: scan every output."""
+  """Witness for a transformation that does not report one: scan every output.
+
+  Parts of the state shaped like the updates (Adam's ``mu`` and ``nu``, say) are
+  charged to their leaf; any other non-finite state is charged to every leaf.
+  """
 
   def update(updates, state, params=None, **extra_args):
     new_updates, new_state = optax.with_extra_args_support(inner).update(
         updates, state, params, **extra_args
     )
-    leaf_finite = jax.tree.map(numerics.all_finite, new_updates)
-    state_finite = tree_all(
-        [
-            numerics.all_finite(leaf)
-            for leaf in jax.tree.leaves(new_state)
-            if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact)
-        ]
-    )
-    leaf_finite = jax.tree.map(lambda finite: finite & state_finite, leaf_finite)
-    return new_updates, new_state, leaf_finite
+    updates_def = jax.tree.structure(new_updates)
+
+    def is_shaped_like_updates(x):
+      return jax.tree.structure(x) == updates_def
+
+    parts = jax.tree.leaves(new_state, is_leaf=is_shaped_like_updates)
+    shaped = [part for part in parts if is_shaped_like_updates(part)]
+    unattributed = tree_all([
+        numerics.all_finite(part) for part in parts
+        if not is_shaped_like_updates(part) and jnp.issubdtype(part.dtype, jnp.inexact)
+    ])
+
+    def leaf_witness(update, *state_leaves):
+      finite = [numerics.all_finite(x) for x in (update, *state_leaves)
+                if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+      return tree_all(finite) & unattributed
+
+    return new_updates, new_state, jax.tree.map(leaf_witness, new_updates, *shaped)
 
   return update
 
 
 def _raise_nonfinite_steps(consecutive, step, leaf_finite, *, leaf_names, max_consecutive):
-  bad = [name for name, finite in zip(leaf_names, np.asarray(leaf_finite)) if not finite]
+  finite_flags = np.asarray(leaf_finite)
+  bad = [name for name, finite in zip(leaf_names, finite_flags, strict=True) if not finite]
   raise NonFiniteStepsError(
       f"{int(consecutive)} consecutive optimizer steps were non-finite and skipped "
       f"(max_consecutive={max_consecutive}); at step {int(step)} the non-finite leaves were: "
@@ -112,7 +125,7 @@ def skip_nonfinite(
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import optax_safefactor as osf
-    >>> tx = osf.skip_nonfinite(optax.adam(1e-3))
+    >>> tx = osf.skip_nonfinite(optax.sgd(0.1))
     >>> params = {"w": jnp.ones(3)}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan, 0.0])}, state, params)

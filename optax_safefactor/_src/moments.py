@@ -131,7 +131,7 @@ def scale_by_moment(
     new_v = _blend(moment.v, grad_sq, beta2).astype(moment.v.dtype)
     # Read back what is stored, so this step uses exactly the statistics the next one sees.
     scale = jax.lax.rsqrt(jnp.maximum(new_v.astype(stat_dtype), floor))
-    return grad * scale, FullMoment(new_v), numerics.all_finite(new_v)
+    return grad * scale.astype(grad.dtype), FullMoment(new_v), numerics.all_finite(new_v)
 
   plan = plan_from_stat_shapes(grad.shape, moment.v_row.shape, moment.v_col.shape)
   new_row = _blend(moment.v_row, jnp.mean(grad_sq, plan.col_axes, keepdims=True), beta2)
@@ -147,7 +147,7 @@ def scale_by_moment(
   col_factor = jax.lax.rsqrt(col)
   scale = jnp.minimum(row_factor * col_factor, jax.lax.rsqrt(floor))
   finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
-  return grad * scale, FactoredMoment(new_row, new_col), finite
+  return grad * scale.astype(grad.dtype), FactoredMoment(new_row, new_col), finite
 
 
 def check_moment_fits(path: checks.KeyPath, moment: Moment, grad: jax.Array) -> None:

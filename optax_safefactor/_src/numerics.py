@@ -72,8 +72,8 @@ def saturating_cast(x: jax.Array, dtype: DTypeLike) -> jax.Array:
   Inf on the way out; clamping keeps every update finite. The clamp fuses into
   the elementwise pass that produces ``x``.
 
-  >>> saturating_cast(jnp.array([1e6, -1e6, 2.0]), jnp.float16)
-  Array([ 65504., -65504.,      2.], dtype=float16)
+  >>> saturating_cast(jnp.array([1e6, -1e6, 2.0]), jnp.float16).tolist()
+  [65504.0, -65504.0, 2.0]
   """
   dtype = np.dtype(dtype)
   if x.dtype == dtype:

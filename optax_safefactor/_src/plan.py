@@ -80,6 +80,6 @@ def plan_from_stat_shapes(
   >>> plan_from_stat_shapes((300, 200), (1, 200), (300, 1))
   FactorPlan(row_axes=(1,), col_axes=(0,))
   """
-  col_axes = tuple(a for a, (s, r) in enumerate(zip(shape, row_stat_shape)) if s != r)
-  row_axes = tuple(a for a, (s, c) in enumerate(zip(shape, col_stat_shape)) if s != c)
+  col_axes = tuple(a for a, (s, r) in enumerate(zip(shape, row_stat_shape, strict=True)) if s != r)
+  row_axes = tuple(a for a, (s, c) in enumerate(zip(shape, col_stat_shape, strict=True)) if s != c)
   return FactorPlan(row_axes=row_axes, col_axes=col_axes)

@@ -1,0 +1,86 @@
+"""skip_nonfinite and skipped_steps, around safefactor and around any optax transform."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_safefactor as osf
+from tests.helpers import assert_trees_equal, run_steps
+
+
+def _nan_at(steps):
+  def grads(step):
+    value = jnp.nan if step in steps else 1.0
+    return {"a": jnp.full((3,), value), "b": jnp.ones((2, 2))}
+
+  return grads
+
+
+def test_wraps_a_plain_optax_transform():
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  tx = osf.skip_nonfinite(optax.adam(0.1))
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes int and float counts
+    _, state, history = run_steps(tx, params, _nan_at({1, 2, 4}), 6)
+    _, expected_state, _ = run_steps(optax.adam(0.1), params, _nan_at(set()), 3)
+  assert int(osf.skipped_steps(state)) == 3
+  assert int(state.consecutive_skips) == 0 and int(state.step) == 6
+  assert int(state.nonfinite_steps["a"]) == 3 and int(state.nonfinite_steps["b"]) == 0
+  assert int(state.last_nonfinite_step["a"]) == 4
+  assert int(state.inner_state[0].count) == 3
+  assert_trees_equal(state.inner_state, expected_state)
+  for step in (1, 2, 4):
+    assert all(float(jnp.sum(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(history[step]))
+
+
+def test_consecutive_counter():
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  _, state, _ = run_steps(osf.safefactor(0.1), params, _nan_at({3, 4, 5}), 6)
+  assert int(state.consecutive_skips) == 3 and int(state.skipped_steps) == 3
+
+
+def test_max_consecutive_raises_with_leaf_names():
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  tx = osf.safefactor(0.1, max_consecutive_skips=2)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  grads = _nan_at({1, 2})
+  _, state = update(grads(0), state, params)
+  _, state = update(grads(1), state, params)
+  jax.block_until_ready(state)
+  with pytest.raises(Exception, match=r"2 consecutive optimizer steps.*params\['a'\]"):
+    _, state = update(grads(2), state, params)
+    jax.block_until_ready(state)
+
+
+def test_max_consecutive_must_be_positive():
+  with pytest.raises(ValueError, match="max_consecutive"):
+    osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=0)
+
+
+def test_skipped_steps_is_found_through_wrappers():
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  tx = optax.chain(
+      optax.inject_hyperparams(osf.safefactor)(learning_rate=0.1),
+      osf.skip_nonfinite(optax.scale(1.0)),
+  )
+  with jax.numpy_dtype_promotion("standard"):
+    _, state, _ = run_steps(tx, params, _nan_at({0, 2}), 3)
+  # The outer guard sees zeros from the inner one: only the inner guard skips.
+  assert int(osf.skipped_steps(state)) == 2
+  with pytest.raises(ValueError, match="no skip_nonfinite state"):
+    osf.skipped_steps(optax.sgd(0.1).init(params))
+
+
+def test_state_nonfinite_is_caught_for_plain_transforms():
+  # An inner transform whose state goes non-finite while its updates stay finite.
+  def init(params):
+    return {"acc": jnp.zeros(())}
+
+  def update(updates, state, params=None):
+    return jax.tree.map(jnp.zeros_like, updates), {"acc": state["acc"] + jnp.inf}
+
+  tx = osf.skip_nonfinite(optax.GradientTransformation(init, update))
+  params = {"a": jnp.ones(3)}
+  _, state = tx.update(params, tx.init(params), params)
+  assert int(state.skipped_steps) == 1 and float(state.inner_state["acc"]) == 0.0

@@ -1,0 +1,121 @@
+"""scale_by_safe_factored_rms: state layout, dtypes, floors, and the float64 reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_safefactor as osf
+from optax_safefactor._src.plan import default_plan
+from tests.helpers import max_relative_error, random_tree, run_steps, tree_all_finite
+from tests.reference import ReferenceAdafactor
+
+
+def test_state_is_shape_explicit_without_placeholders():
+  params = {"w": jnp.ones((300, 200)), "b": jnp.ones((200,)), "stack": jnp.ones((3, 256, 128))}
+  state = osf.scale_by_safe_factored_rms().init(params)
+  w, b, stack = (state.second_moment[k] for k in ("w", "b", "stack"))
+  assert isinstance(w, osf.FactoredMoment) and isinstance(b, osf.FullMoment)
+  assert {w.v_row.shape, w.v_col.shape} == {(300, 1), (1, 200)}
+  assert b.v.shape == (200,)
+  assert stack.v_row.shape == (3, 1, 128) and stack.v_col.shape == (3, 256, 1)
+  leaves = jax.tree.leaves(state.second_moment)
+  assert sum(leaf.size for leaf in leaves) == 300 + 200 + 200 + 3 * (256 + 128)
+  assert all(leaf.dtype == jnp.float32 for leaf in leaves)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_state_is_float32_and_starts_at_the_floor(dtype):
+  params = {"w": jnp.ones((130, 140), dtype)}
+  state = osf.scale_by_safe_factored_rms(epsilon=1e-30).init(params)
+  for leaf in jax.tree.leaves(state.second_moment):
+    assert leaf.dtype == jnp.float32
+    np.testing.assert_array_equal(leaf, np.float32(1e-30))
+
+
+def test_state_dtype_option_and_zero_epsilon_floor():
+  params = {"w": jnp.ones((130, 140))}
+  state = osf.scale_by_safe_factored_rms(epsilon=0.0, state_dtype="bfloat16").init(params)
+  for leaf in jax.tree.leaves(state.second_moment):
+    assert leaf.dtype == jnp.bfloat16
+    assert float(jnp.min(leaf)) > 0.0  # the floor is the dtype's smallest normal, not 0
+  zeros = {"w": jnp.zeros((130, 140))}
+  tx = osf.scale_by_safe_factored_rms(epsilon=0.0)
+  updates, state = tx.update(zeros, tx.init(params), params)
+  assert tree_all_finite((updates, state))
+
+
+@pytest.mark.parametrize("shape,plan", [
+    ((140, 130), ((1,), (0,))),
+    ((3, 130, 150), ((1,), (2,))),
+    ((5, 140, 2, 130), ((3,), (1,))),
+    ((17,), None),
+])
+def test_matches_float64_reference_for_many_steps(shape, plan, rng):
+  assert (None if plan is None else tuple(default_plan(shape, True, 128))) == plan
+  reference = ReferenceAdafactor(multiply_by_parameter_scale=False, clipping_threshold=None)
+  reference.init("x", shape, plan)
+  tx = osf.scale_by_safe_factored_rms()
+  params = {"x": jnp.zeros(shape)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for step in range(200):
+    grads = {"x": jnp.asarray(rng.normal(size=shape) * 10.0 ** (step % 7 - 3), jnp.float32)}
+    updates, state = update(grads, state, params)
+    expected = reference.step(grads, params)
+    assert max_relative_error(updates["x"], -expected["x"]) < 1e-5, step
+
+
+def test_beta2_cap_and_custom_decay_fn():
+  params = {"v": jnp.ones((3,))}
+  grads = {"v": jnp.ones((3,))}
+  capped = osf.scale_by_safe_factored_rms(beta2_cap=0.5)
+  _, state, _ = run_steps(capped, params, lambda s: {"v": grads["v"] * (1.0 if s < 50 else 3.0)},
+                          51)
+  # With beta2 capped at 0.5, one step at g=3 moves v halfway from 1 to 9.
+  np.testing.assert_allclose(state.second_moment["v"].v, 5.0, rtol=1e-6)
+  constant = osf.scale_by_safe_factored_rms(decay_rate_fn=lambda step, rate: jnp.float32(0.0))
+  _, state, _ = run_steps(constant, params, lambda s: {"v": grads["v"] * (s + 1.0)}, 4)
+  np.testing.assert_allclose(state.second_moment["v"].v, 16.0, rtol=1e-6)
+
+
+def test_matches_optax_scale_by_factored_rms(rng):
+  shapes = {"a": (300, 140), "b": (140, 300), "c": (2, 130, 128), "d": (9,)}
+  params = random_tree(rng, shapes)
+  grads = [random_tree(rng, shapes) for _ in range(20)]
+  with jax.numpy_dtype_promotion("standard"):
+    _, _, expected = run_steps(optax.scale_by_factored_rms(), params, grads.__getitem__, 20)
+  _, _, actual = run_steps(osf.scale_by_safe_factored_rms(), params, grads.__getitem__, 20)
+  for step in range(20):
+    for k in shapes:
+      assert max_relative_error(actual[step][k], expected[step][k]) < 1e-5
+
+
+def test_float64_params_compute_in_float64(x64, rng):
+  params = {"w": jnp.asarray(rng.normal(size=(130, 140)), jnp.float64)}
+  grads = {"w": jnp.asarray(rng.normal(size=(130, 140)) * 1e-30, jnp.float64)}
+  tx = osf.safefactor(0.1, eps=1e-90)
+  updates, state = tx.update(grads, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float64
+  assert state.inner_state.second_moment["w"].v_row.dtype == jnp.float64
+  # 1e-30 squared (and eps=1e-90) underflow float32 but not float64: the update is
+  # still the unit-RMS direction of the gradient.
+  rms = float(jnp.sqrt(jnp.mean(updates["w"] ** 2)))
+  np.testing.assert_allclose(rms, 0.1 * float(jnp.sqrt(jnp.mean(params["w"] ** 2))), rtol=1e-6)
+
+
+def test_complex_params_get_real_second_moments(rng):
+  shape = (130, 140)
+  params = {"z": jnp.asarray(rng.normal(size=shape) + 1j * rng.normal(size=shape), jnp.complex64)}
+  grads = {"z": jnp.asarray(rng.normal(size=shape) + 1j * rng.normal(size=shape), jnp.complex64)}
+  tx = osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-3)
+  updates, state = tx.update(grads, tx.init(params), params)
+  moment = state.inner_state.second_moment["z"]
+  assert moment.v_row.dtype == jnp.float32 and updates["z"].dtype == jnp.complex64
+  assert state.inner_state.momentum["z"].dtype == jnp.complex64
+  # The scaled update is the gradient times a real factor: its phase is the gradient's.
+  unscaled = osf.scale_by_safe_factored_rms()
+  scaled, _ = unscaled.update(grads, unscaled.init(params), params)
+  np.testing.assert_allclose(jnp.angle(scaled["z"]), jnp.angle(grads["z"]), atol=1e-5)
+  assert tree_all_finite((updates, state))
