@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -11,7 +12,12 @@ import numpy as np
 import optax
 
 from optax_safefactor._src import checks, moments, numerics
-from optax_safefactor._src.base import WitnessedTransformation, unzip_leaf_results
+from optax_safefactor._src.base import (
+    WitnessedTransformation,
+    keep_unless_skipped,
+    unzip_leaf_results,
+    zero_if_skipped,
+)
 from optax_safefactor._src.guard import skip_nonfinite
 
 
@@ -113,7 +119,8 @@ def scale_by_adafactor(
       lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     decay_mask = _leaf_mask(weight_decay_mask, updates) if weight_decay_rate is not None else None
 
-    def update_leaf(grad, moment, first_moment, param, decay_this_leaf):
+    def scale_leaf(grad, moment, param, decay_this_leaf):
+      """Everything up to momentum: the scaled update, new statistics, finiteness."""
       ct = numerics.compute_dtype(grad.dtype)
       real_ct = numerics.real_dtype(ct)
       u, new_moment, finite = moments.scale_by_moment(grad.astype(ct), moment, beta2, eps)
@@ -126,44 +133,64 @@ def scale_by_adafactor(
         lr_value = jnp.asarray(lr, real_ct)
         finite &= jnp.isfinite(lr_value)
         u = u * lr_value.astype(ct)
-      param_checked = False
       if multiply_by_parameter_scale:
         rms = jnp.sqrt(numerics.mean_abs_sq(param.astype(ct)))
         finite &= jnp.isfinite(rms)
-        param_checked = True
         min_scale = jnp.asarray(min_parameter_scale, real_ct)
         scale = jnp.where(rms <= min_scale, min_scale, rms)
         if max_parameter_scale is not None:
           scale = jnp.minimum(scale, jnp.asarray(max_parameter_scale, real_ct))
         u = u * scale.astype(ct)
+      elif weight_decay_rate is not None and decay_this_leaf is not False:
+        finite &= numerics.all_finite(param)
+      return u, new_moment, finite
+
+    def finish_leaf(step_finite, grad, u, first_moment, param, decay_this_leaf):
+      """Momentum, weight decay and sign, with the step's verdict applied."""
+      ct = u.dtype
       new_first_moment = None
       if momentum is not None:
-        beta1 = jnp.asarray(momentum, real_ct).astype(ct)
-        u = (1 - beta1) * u + beta1 * first_moment.astype(ct)
-        new_first_moment = u.astype(first_moment.dtype)
+        beta1 = jnp.asarray(momentum, numerics.real_dtype(ct)).astype(ct)
+        blended = (1 - beta1) * u + beta1 * first_moment.astype(ct)
+        new_first_moment = keep_unless_skipped(
+            step_finite, blended.astype(first_moment.dtype), first_moment
+        )
+        # Reading the update back from the kept state lets the state be written in
+        # place; when the state is narrower than the compute dtype, use the exact value.
+        stored_exactly = np.dtype(first_moment.dtype) == np.dtype(ct)
+        u = new_first_moment if stored_exactly else blended
       if weight_decay_rate is not None and decay_this_leaf is not False:
-        decay = jnp.asarray(weight_decay_rate, real_ct).astype(ct) * param.astype(ct)
+        rate = jnp.asarray(weight_decay_rate, numerics.real_dtype(ct)).astype(ct)
+        decay = rate * param.astype(ct)
         if decay_this_leaf is not True:
           decay = jnp.where(decay_this_leaf, decay, jnp.zeros((), ct))
-        if not param_checked:
-          finite &= numerics.all_finite(param)
         u = u + decay
-      return numerics.saturating_cast(-u, grad.dtype), new_moment, new_first_moment, finite
+      update = zero_if_skipped(step_finite, numerics.saturating_cast(-u, grad.dtype))
+      return update, new_first_moment
 
     none_tree = jax.tree.map(lambda _: None, updates)
-    results = jax.tree.map(
-        update_leaf,
-        updates,
-        state.second_moment,
-        none_tree if momentum is None else state.momentum,
-        none_tree if params is None else params,
-        none_tree if decay_mask is None else decay_mask,
-    )
-    new_updates, new_second, new_first, finite = unzip_leaf_results(updates, results, 4)
-    new_state = SafefactorState(
-        optax.safe_increment(state.count), new_second, new_first if momentum is not None else None
-    )
-    return new_updates, new_state, finite
+    params_tree = none_tree if params is None else params
+    mask_tree = none_tree if decay_mask is None else decay_mask
+    scaled = jax.tree.map(scale_leaf, updates, state.second_moment, params_tree, mask_tree)
+    scaled_updates, new_second, finite = unzip_leaf_results(updates, scaled, 3)
+
+    def finish(step_finite):
+      finished = jax.tree.map(
+          partial(finish_leaf, step_finite),
+          updates,
+          scaled_updates,
+          none_tree if momentum is None else state.momentum,
+          params_tree,
+          mask_tree,
+      )
+      new_updates, new_first = unzip_leaf_results(updates, finished, 2)
+      return new_updates, SafefactorState(
+          keep_unless_skipped(step_finite, optax.safe_increment(state.count), state.count),
+          moments.keep_moments_unless_skipped(step_finite, new_second, state.second_moment),
+          new_first if momentum is not None else None,
+      )
+
+    return finite, finish
 
   return WitnessedTransformation(init_fn, update_fn)
 

@@ -9,19 +9,32 @@ import jax.numpy as jnp
 import optax
 
 
-class WitnessedUpdateFn(Protocol):
-  """``update`` that also returns one scalar bool per leaf of the updates.
+class FinishFn(Protocol):
+  """Second half of a witnessed update: produce the outputs, given the step's verdict.
 
-  The bool is True exactly when everything the transform produced for that leaf
-  (the update and the leaf's new state) is finite. It is derived from statistics the
+  ``step_finite`` is ``None`` when no guard is present (produce the plain update), or
+  a scalar bool: when False the updates must be zeros and the new state must equal the
+  old state exactly.
+  """
+
+  def __call__(self, step_finite: jax.Array | None) -> tuple[optax.Updates, optax.OptState]: ...
+
+
+class WitnessedUpdateFn(Protocol):
+  """First half of a witnessed update: per-leaf finiteness, and how to finish.
+
+  Returns ``(leaf_finite, finish)``. ``leaf_finite`` has one scalar bool per leaf of
+  the updates, True exactly when everything the transform would produce for that
+  leaf (its update and its new state) is finite. It comes from statistics the
   transform computes anyway, so deciding a skip costs no extra pass over the
-  gradients.
+  gradients; and since the transform applies the verdict itself in ``finish``, it
+  can place the selects where they fuse with work it does anyway.
   """
 
   def __call__(
       self, updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
       **extra_args: Any,
-  ) -> tuple[optax.Updates, optax.OptState, Any]: ...
+  ) -> tuple[Any, FinishFn]: ...
 
 
 class WitnessedTransformation(optax.GradientTransformationExtraArgs):
@@ -29,20 +42,34 @@ class WitnessedTransformation(optax.GradientTransformationExtraArgs):
 
   It is an ordinary two-field optax transformation (``init``, ``update``), so it
   composes with every optax combinator; :func:`skip_nonfinite` additionally
-  finds ``update_with_witness`` on it and decides skips from the witness instead
-  of scanning every output.
+  finds ``update_with_witness`` on it, decides the skip from the witness and hands
+  the verdict back, instead of scanning every output.
   """
 
   update_with_witness: WitnessedUpdateFn
 
   def __new__(cls, init: optax.TransformInitFn, update_with_witness: WitnessedUpdateFn):
     def update(updates, state, params=None, **extra_args):
-      new_updates, new_state, _ = update_with_witness(updates, state, params, **extra_args)
-      return new_updates, new_state
+      _, finish = update_with_witness(updates, state, params, **extra_args)
+      return finish(None)
 
     transformation = super().__new__(cls, init, update)
     transformation.update_with_witness = update_with_witness
     return transformation
+
+
+def keep_unless_skipped(step_finite: jax.Array | None, new: jax.Array, old: jax.Array) -> jax.Array:
+  """``new``, or ``old`` (exactly) when the step is skipped."""
+  if step_finite is None:
+    return new
+  return jnp.where(step_finite, new, jnp.asarray(old, new.dtype))
+
+
+def zero_if_skipped(step_finite: jax.Array | None, update: jax.Array) -> jax.Array:
+  """``update``, or zeros when the step is skipped."""
+  if step_finite is None:
+    return update
+  return jnp.where(step_finite, update, jnp.zeros((), update.dtype))
 
 
 def tree_all(bools: list[jax.Array]) -> jax.Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -10,7 +11,13 @@ import numpy as np
 import optax
 
 from optax_safefactor._src import checks, numerics
-from optax_safefactor._src.base import WitnessedTransformation, tree_all, unzip_leaf_results
+from optax_safefactor._src.base import (
+    WitnessedTransformation,
+    keep_unless_skipped,
+    tree_all,
+    unzip_leaf_results,
+    zero_if_skipped,
+)
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -86,7 +93,15 @@ def _generic_update_with_witness(inner: optax.GradientTransformation):
                 if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
       return tree_all(finite) & unattributed
 
-    return new_updates, new_state, jax.tree.map(leaf_witness, new_updates, *shaped)
+    def finish(step_finite):
+      if step_finite is None:
+        return new_updates, new_state
+      return (
+          jax.tree.map(partial(zero_if_skipped, step_finite), new_updates),
+          jax.tree.map(partial(keep_unless_skipped, step_finite), new_state, state),
+      )
+
+    return jax.tree.map(leaf_witness, new_updates, *shaped), finish
 
   return update
 
@@ -163,18 +178,9 @@ def skip_nonfinite(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    new_updates, new_inner_state, leaf_finite = update_with_witness(
-        updates, state.inner_state, params, **extra_args
-    )
+    leaf_finite, finish = update_with_witness(updates, state.inner_state, params, **extra_args)
     step_finite = _all_once(jax.tree.leaves(leaf_finite))
-
-    def keep_if_finite(new, old):
-      return jnp.where(step_finite, new, jnp.asarray(old, new.dtype))
-
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(step_finite, u, jnp.zeros((), u.dtype)), new_updates
-    )
-    new_inner_state = jax.tree.map(keep_if_finite, new_inner_state, state.inner_state)
+    new_updates, new_inner_state = finish(step_finite)
 
     def count_leaf(count, last, finite):
       return (

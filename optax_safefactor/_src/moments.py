@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -10,7 +11,12 @@ import jax.numpy as jnp
 import optax
 
 from optax_safefactor._src import checks, numerics
-from optax_safefactor._src.base import WitnessedTransformation, unzip_leaf_results
+from optax_safefactor._src.base import (
+    WitnessedTransformation,
+    keep_unless_skipped,
+    unzip_leaf_results,
+    zero_if_skipped,
+)
 from optax_safefactor._src.plan import FactorPlan, default_plan, plan_from_stat_shapes
 
 DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
@@ -150,6 +156,10 @@ def scale_by_moment(
   return grad * scale.astype(grad.dtype), FactoredMoment(new_row, new_col), finite
 
 
+def keep_moments_unless_skipped(step_finite, new_moments: Any, old_moments: Any) -> Any:
+  return jax.tree.map(partial(keep_unless_skipped, step_finite), new_moments, old_moments)
+
+
 def check_moment_fits(path: checks.KeyPath, moment: Moment, grad: jax.Array) -> None:
   for name, stat in moment._asdict().items():
     checks.check_stat_fits(path, name, stat, grad)
@@ -276,8 +286,14 @@ def scale_by_safe_factored_rms(
 
     results = jax.tree.map(update_leaf, updates, state.second_moment)
     new_updates, new_moments, finite = unzip_leaf_results(updates, results, 3)
-    new_state = SafeFactoredState(optax.safe_increment(state.count), new_moments)
-    return new_updates, new_state, finite
+
+    def finish(step_finite):
+      return jax.tree.map(partial(zero_if_skipped, step_finite), new_updates), SafeFactoredState(
+          keep_unless_skipped(step_finite, optax.safe_increment(state.count), state.count),
+          keep_moments_unless_skipped(step_finite, new_moments, state.second_moment),
+      )
+
+    return finite, finish
 
   return WitnessedTransformation(init_fn, update_fn)
 
