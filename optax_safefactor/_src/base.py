@@ -73,10 +73,25 @@ def zero_if_skipped(step_finite: jax.Array | None, update: jax.Array) -> jax.Arr
 
 
 def tree_all(bools: list[jax.Array]) -> jax.Array:
-  """One scalar bool: all of ``bools`` (True when there are none)."""
+  """One scalar bool: all of a few ``bools`` (True when there are none)."""
   if not bools:
     return jnp.array(True)
   return jnp.all(jnp.stack([jnp.asarray(b, bool) for b in bools]))
+
+
+def all_once(bools: list[jax.Array]) -> jax.Array:
+  """All of ``bools`` as one scalar that the compiler computes once.
+
+  Every leaf's output reads this flag. A plain ``and`` of the leaves' bools is cheap
+  enough that XLA copies the whole chain into the fused kernel of every leaf, which
+  makes compile time quadratic in the number of leaves; routing the flag through an
+  ``exp`` (an op XLA will not duplicate) keeps one copy. The flag is built from
+  0/1 counts, never from NaN, which the CPU backend's optimiser may fold away.
+  """
+  if not bools:
+    return jnp.array(True)
+  bad_leaves = jnp.sum(jnp.stack([jnp.where(b, 0.0, 1.0) for b in bools]).astype(jnp.float32))
+  return jnp.exp(-bad_leaves) > 0.5
 
 
 def unzip_leaf_results(updates: Any, results: Any, arity: int) -> tuple[Any, ...]:

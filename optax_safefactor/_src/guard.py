@@ -13,6 +13,7 @@ import optax
 from optax_safefactor._src import checks, numerics
 from optax_safefactor._src.base import (
     WitnessedTransformation,
+    all_once,
     keep_unless_skipped,
     tree_all,
     unzip_leaf_results,
@@ -46,21 +47,6 @@ class NonFiniteStepsError(FloatingPointError):
   """Raised when ``max_consecutive`` steps in a row were skipped."""
 
 
-def _all_once(bools: list[jax.Array]) -> jax.Array:
-  """All of ``bools`` as one scalar that the compiler computes once.
-
-  Every leaf's output reads this flag. A plain ``and`` of the leaves' bools is cheap
-  enough that XLA copies the whole chain into the fused kernel of every leaf, which
-  makes compile time quadratic in the number of leaves; routing the flag through an
-  ``exp`` (an op XLA will not duplicate) keeps one copy. The flag is built from
-  0/1 counts, never from NaN, which the CPU backend's optimiser may fold away.
-  """
-  if not bools:
-    return jnp.array(True)
-  bad_leaves = jnp.sum(jnp.stack([jnp.where(b, 0.0, 1.0) for b in bools]).astype(jnp.float32))
-  return jnp.exp(-bad_leaves) > 0.5
-
-
 def _per_leaf(params: Any, value: int) -> Any:
   return jax.tree.map(lambda _: jnp.asarray(value, jnp.int32), params)
 
@@ -83,7 +69,7 @@ def _generic_update_with_witness(inner: optax.GradientTransformation):
 
     parts = jax.tree.leaves(new_state, is_leaf=is_shaped_like_updates)
     shaped = [part for part in parts if is_shaped_like_updates(part)]
-    unattributed = tree_all([
+    unattributed = all_once([
         numerics.all_finite(part) for part in parts
         if not is_shaped_like_updates(part) and jnp.issubdtype(part.dtype, jnp.inexact)
     ])
@@ -179,7 +165,7 @@ def skip_nonfinite(
 
   def update_fn(updates, state, params=None, **extra_args):
     leaf_finite, finish = update_with_witness(updates, state.inner_state, params, **extra_args)
-    step_finite = _all_once(jax.tree.leaves(leaf_finite))
+    step_finite = all_once(jax.tree.leaves(leaf_finite))
     new_updates, new_inner_state = finish(step_finite)
 
     def count_leaf(count, last, finite):
