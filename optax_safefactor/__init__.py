@@ -12,6 +12,7 @@ from optax_safefactor._src.moments import FullMoment as FullMoment
 from optax_safefactor._src.moments import SafeFactoredState as SafeFactoredState
 from optax_safefactor._src.moments import scale_by_safe_factored_rms as scale_by_safe_factored_rms
 from optax_safefactor._src.plan import FactorPlan as FactorPlan
+from optax_safefactor._src.sharding import state_partition_specs as state_partition_specs
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,5 @@ __all__ = (
     "scale_by_safe_factored_rms",
     "skip_nonfinite",
     "skipped_steps",
+    "state_partition_specs",
 )

@@ -19,6 +19,7 @@ from optax_safefactor._src.base import (
     zero_if_skipped,
 )
 from optax_safefactor._src.guard import skip_nonfinite
+from optax_safefactor._src.sharding import full_like_param
 
 
 class SafefactorState(NamedTuple):
@@ -100,7 +101,8 @@ def scale_by_adafactor(
     first_moment = None
     if momentum is not None:
       first_moment = jax.tree.map(
-          lambda p: jnp.zeros(p.shape, _momentum_dtype(dtype_momentum, p.dtype)), params
+          lambda p: full_like_param(p, p.shape, 0, _momentum_dtype(dtype_momentum, p.dtype)),
+          params,
       )
     return SafefactorState(jnp.zeros([], jnp.int32), second_moment, first_moment)
 

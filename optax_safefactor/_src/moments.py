@@ -12,12 +12,13 @@ import optax
 
 from optax_safefactor._src import checks, numerics
 from optax_safefactor._src.base import (
-    WitnessedTransformation,
-    keep_unless_skipped,
-    unzip_leaf_results,
-    zero_if_skipped,
+  WitnessedTransformation,
+  keep_unless_skipped,
+  unzip_leaf_results,
+  zero_if_skipped,
 )
 from optax_safefactor._src.plan import FactorPlan, default_plan, plan_from_stat_shapes
+from optax_safefactor._src.sharding import full_like_param
 
 DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
 
@@ -93,14 +94,17 @@ def init_moment(
     state_dtype: numerics.DTypeLike | None,
     epsilon: jax.typing.ArrayLike,
 ) -> Moment:
-  """Statistics for one leaf, filled with the epsilon floor rather than zeros."""
+  """Statistics for one leaf, filled with the epsilon floor rather than zeros.
+
+  They are placed like the param, less the reduced axes (see ``sharding.py``).
+  """
   dtype = numerics.resolve_state_dtype(state_dtype, param.dtype)
   floor = numerics.positive_floor(epsilon, dtype)
   if plan is None:
-    return FullMoment(v=jnp.full(param.shape, floor, dtype))
+    return FullMoment(v=full_like_param(param, param.shape, floor, dtype))
   return FactoredMoment(
-      v_row=jnp.full(plan.row_stat_shape(param.shape), floor, dtype),
-      v_col=jnp.full(plan.col_stat_shape(param.shape), floor, dtype),
+      v_row=full_like_param(param, plan.row_stat_shape(param.shape), floor, dtype),
+      v_col=full_like_param(param, plan.col_stat_shape(param.shape), floor, dtype),
   )
 
 

@@ -1,0 +1,159 @@
+"""State sharding follows the params; the sharded update needs no parameter-sized communication."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_safefactor as osf
+from tests.helpers import assert_trees_close
+
+SPECS = {
+    "w": P("data", "model"), "tall": P("model", "data"), "b": P("model"), "e": P(None, "model"),
+}
+SHAPES = {"w": (256, 512), "tall": (512, 256), "b": (512,), "e": (4, 512)}
+EXPECTED_STAT_SPECS = {
+    # v_row keeps the rows (the smaller factored axis), v_col the columns.
+    "w": osf.FactoredMoment(v_row=P("data", None), v_col=P(None, "model")),
+    "tall": osf.FactoredMoment(v_row=P(None, "data"), v_col=P("model", None)),
+}
+
+
+def _mesh(axis_type):
+  return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+
+
+def _params(mesh, seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+      name: jax.device_put(jnp.asarray(rng.normal(size=shape), jnp.float32),
+                           NamedSharding(mesh, SPECS[name]))
+      for name, shape in SHAPES.items()
+  }
+
+
+def _specs(tree):
+  return jax.tree.map(lambda x: x.sharding.spec, tree)
+
+
+def _assert_stat_specs(state):
+  moments = state.inner_state.second_moment
+  for name, expected in EXPECTED_STAT_SPECS.items():
+    for actual, wanted, stat in zip(_specs(moments[name]), expected, moments[name], strict=True):
+      assert stat.sharding.is_equivalent_to(NamedSharding(stat.sharding.mesh, wanted), stat.ndim), (
+          name, actual, wanted)
+  for name in ("b", "e"):
+    assert moments[name].v.sharding.is_equivalent_to(
+        NamedSharding(moments[name].v.sharding.mesh, SPECS[name]), len(SHAPES[name]))
+  for name, spec in SPECS.items():
+    momentum = state.inner_state.momentum[name]
+    assert momentum.sharding.is_equivalent_to(NamedSharding(momentum.sharding.mesh, spec),
+                                              momentum.ndim)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_state_follows_param_shardings_and_is_a_fixed_point(axis_type):
+  mesh = _mesh(axis_type)
+  tx = osf.safefactor(0.1, momentum=0.9)
+  with jax.set_mesh(mesh):
+    params = _params(mesh)
+    eager = tx.init(params)
+    _assert_stat_specs(eager)
+    specs = osf.state_partition_specs(tx, params)
+    assert jax.tree.structure(specs) == jax.tree.structure(eager)
+    jitted = jax.jit(tx.init, out_shardings=specs)(params)
+    _assert_stat_specs(jitted)
+    if axis_type == AxisType.Explicit:  # Auto-mode tracers carry no sharding to follow
+      _assert_stat_specs(jax.jit(tx.init)(params))
+    update = jax.jit(tx.update)
+    state = eager
+    for step in range(3):
+      _, new_state = update(_params(mesh, seed=step + 1), state, params)
+      for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state), strict=True):
+        assert new.sharding.is_equivalent_to(old.sharding, new.ndim)
+      state = new_state
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_sharded_steps_equal_single_device_steps(axis_type):
+  mesh = _mesh(axis_type)
+  tx = osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-3)
+  grads = [jax.tree.map(np.asarray, _params(mesh, seed=s)) for s in range(1, 5)]
+  single_params = jax.tree.map(np.asarray, _params(mesh))
+  single_state = tx.init(jax.tree.map(jnp.asarray, single_params))
+  with jax.set_mesh(mesh):
+    params = _params(mesh)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for g in grads:
+      sharded_g = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in g.items()}
+      updates, state = update(sharded_g, state, params)
+      params = optax.apply_updates(params, updates)
+  single_update = jax.jit(tx.update)
+  single_params = jax.tree.map(jnp.asarray, single_params)
+  for g in grads:
+    updates, single_state = single_update(jax.tree.map(jnp.asarray, g), single_state, single_params)
+    single_params = optax.apply_updates(single_params, updates)
+  assert_trees_close(jax.tree.map(np.asarray, params), single_params, rtol=1e-5)
+  assert_trees_close(jax.tree.map(np.asarray, state), single_state, rtol=1e-5)
+
+
+def _collectives(hlo_text):
+  found = []
+  for line in hlo_text.splitlines():
+    match = re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|"
+                      r"reduce-scatter)(-start)?\(", line)
+    if match:
+      sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for dims in re.findall(r"\[([0-9,]*)\]", match.group(1))]
+      found.append((match.group(2), sizes))
+  return found
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_update_needs_only_small_all_reduces(axis_type):
+  mesh = _mesh(axis_type)
+  tx = osf.safefactor(0.1, momentum=0.9)
+  with jax.set_mesh(mesh):
+    params = _params(mesh)
+    state = tx.init(params)
+    hlo = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+  collectives = _collectives(hlo)
+  assert collectives, "a sharded update must all-reduce its statistics"
+  assert {kind for kind, _ in collectives} == {"all-reduce"}, collectives
+  # The largest operand is a local row or column statistic (512 / 4 devices = 128).
+  assert max(max(sizes) for _, sizes in collectives) <= 128, collectives
+
+
+def test_per_device_state_bytes_shrink_with_the_mesh():
+  mesh = _mesh(AxisType.Explicit)
+  tx = osf.safefactor(0.1, momentum=0.9)
+  with jax.set_mesh(mesh):
+    state = tx.init(_params(mesh))
+  per_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state))
+  replicated = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+  # Momentum is split 8 ways (or 4 for the 1-D leaves); counters are replicated scalars.
+  assert per_device < replicated / 6, (per_device, replicated)
+
+
+def test_partition_specs_for_abstract_params_and_wrappers():
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  for tx in (
+      osf.safefactor(0.1, momentum=0.9),
+      # min_dim_size_to_factor decides shapes, so a traced init needs it static.
+      optax.inject_hyperparams(osf.safefactor, static_args="min_dim_size_to_factor")(0.1),
+      optax.MultiSteps(osf.safefactor(0.1), every_k_schedule=2),
+  ):
+    specs = osf.state_partition_specs(tx, params, SPECS)
+    abstract = jax.eval_shape(tx.init, params)
+    assert jax.tree.structure(specs) == jax.tree.structure(abstract)
+    for spec, leaf in zip(jax.tree.leaves(specs), jax.tree.leaves(abstract), strict=True):
+      assert isinstance(spec, P) and len(spec) in (0, leaf.ndim)
+  specs = osf.state_partition_specs(osf.safefactor(0.1), params, SPECS)
+  assert specs.inner_state.second_moment["w"] == EXPECTED_STAT_SPECS["w"]
+  assert specs.inner_state.count == P() and specs.skipped_steps == P()
