@@ -25,9 +25,9 @@ def reduced_spec(
   """``spec`` with every axis that is 1 in ``stat_shape`` set to ``None``.
 
   >>> reduced_spec(PartitionSpec("data", "model"), (256, 512), (256, 1))
-  PartitionSpec('data', None)
+  P('data', None)
   >>> reduced_spec(PartitionSpec("data"), (256, 512), (1, 512))
-  PartitionSpec(None, None)
+  P(None, None)
   """
   entries = tuple(spec) + (None,) * (len(param_shape) - len(spec))
   return PartitionSpec(*(
@@ -107,7 +107,7 @@ def state_partition_specs(
     >>> params = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32)}
     >>> specs = osf.state_partition_specs(osf.safefactor(), params, {"w": P("data", "model")})
     >>> specs.inner_state.second_moment["w"]
-    FactoredMoment(v_row=PartitionSpec(None, 'model'), v_col=PartitionSpec('data', None))
+    FactoredMoment(v_row=P('data', None), v_col=P(None, 'model'))
 
   Args:
     optimizer: any optax transformation; its ``init`` is only traced abstractly.
