@@ -11,12 +11,15 @@ from optax_safefactor._src.moments import FactoredMoment as FactoredMoment
 from optax_safefactor._src.moments import FullMoment as FullMoment
 from optax_safefactor._src.moments import SafeFactoredState as SafeFactoredState
 from optax_safefactor._src.moments import scale_by_safe_factored_rms as scale_by_safe_factored_rms
+from optax_safefactor._src.plan import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
 from optax_safefactor._src.plan import FactorPlan as FactorPlan
+from optax_safefactor._src.plan import logical_factor_rules as logical_factor_rules
 from optax_safefactor._src.sharding import state_partition_specs as state_partition_specs
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "DEFAULT_LOGICAL_RULES",
     "FactorPlan",
     "FactoredMoment",
     "FullMoment",
@@ -25,6 +28,7 @@ __all__ = (
     "SafefactorState",
     "SkipNonfiniteState",
     "WitnessedTransformation",
+    "logical_factor_rules",
     "safefactor",
     "scale_by_safe_factored_rms",
     "skip_nonfinite",

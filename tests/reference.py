@@ -31,9 +31,17 @@ class ReferenceAdafactor:
   full: dict = field(default_factory=dict)
   first: dict = field(default_factory=dict)
 
-  def init(self, name: str, shape: tuple[int, ...], plan):
-    """``plan`` is ``(row_axes, col_axes)`` or ``None`` for an unfactored leaf."""
+  def init(self, name: str, shape: tuple[int, ...], plan, batch_axes=()):
+    """``plan`` is ``(row_axes, col_axes[, batch_axes])`` or ``None`` (unfactored).
+
+    Along batch axes every slice is a separate parameter: clipping and the parameter
+    scale are computed per slice.
+    """
     floor = max(self.eps, np.finfo(np.float32).tiny)
+    if plan is not None and len(plan) == 3:
+      batch_axes = plan[2]
+      plan = plan[:2] if plan[0] else None
+    self.batch_axes = {**getattr(self, "batch_axes", {}), name: tuple(batch_axes)}
     if plan is None:
       self.full[name] = np.full(shape, floor)
     else:
@@ -66,12 +74,17 @@ class ReferenceAdafactor:
         self.col[name] = beta2 * self.col[name] + (1 - beta2) * g_sq.mean(row_axes, keepdims=True)
         v_hat = self.row[name] * self.col[name] / self.row[name].mean(row_axes, keepdims=True)
       u = g / np.sqrt(v_hat)
+      slice_axes = tuple(a for a in range(g.ndim) if a not in self.batch_axes[name])
+
+      def slice_rms(x, slice_axes=slice_axes):
+        return np.sqrt(np.mean(x * x, axis=slice_axes, keepdims=True))
+
       if self.clipping_threshold is not None:
-        u = u / max(1.0, np.sqrt(np.mean(u * u)) / self.clipping_threshold)
+        u = u / np.maximum(1.0, slice_rms(u) / self.clipping_threshold)
       if self.learning_rate is not None:
         u = u * self.learning_rate
       if self.multiply_by_parameter_scale:
-        u = u * max(np.sqrt(np.mean(p * p)), self.min_parameter_scale)
+        u = u * np.maximum(slice_rms(p), self.min_parameter_scale)
       if self.momentum is not None:
         self.first[name] = self.momentum * self.first[name] + (1 - self.momentum) * u
         u = self.first[name]

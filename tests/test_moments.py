@@ -53,7 +53,7 @@ def test_state_dtype_option_and_zero_epsilon_floor():
     ((17,), None),
 ])
 def test_matches_float64_reference_for_many_steps(shape, plan, rng):
-  assert (None if plan is None else tuple(default_plan(shape, True, 128))) == plan
+  assert (None if plan is None else tuple(default_plan(shape, True, 128))[:2]) == plan
   reference = ReferenceAdafactor(multiply_by_parameter_scale=False, clipping_threshold=None)
   reference.init("x", shape, plan)
   tx = osf.scale_by_safe_factored_rms()

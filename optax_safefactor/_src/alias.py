@@ -19,6 +19,7 @@ from optax_safefactor._src.base import (
     zero_if_skipped,
 )
 from optax_safefactor._src.guard import skip_nonfinite
+from optax_safefactor._src.plan import FactorRulesFn
 from optax_safefactor._src.sharding import full_like_param
 
 
@@ -86,6 +87,7 @@ def scale_by_adafactor(
     beta2_cap: jax.typing.ArrayLike | None,
     min_parameter_scale: jax.typing.ArrayLike,
     max_parameter_scale: jax.typing.ArrayLike | None,
+    factor_rules: FactorRulesFn | None = None,
 ) -> WitnessedTransformation:
   """The whole Adafactor step for each leaf in one function, in the compute dtype.
 
@@ -96,7 +98,7 @@ def scale_by_adafactor(
   needs_params = multiply_by_parameter_scale or weight_decay_rate is not None
 
   def init_fn(params):
-    plan_for = moments.factor_plan_fn(factored, min_dim_size_to_factor)
+    plan_for = moments.factor_plan_fn(factored, min_dim_size_to_factor, factor_rules)
     second_moment = moments.init_second_moment(params, plan_for, state_dtype, eps)
     first_moment = None
     if momentum is not None:
@@ -126,9 +128,11 @@ def scale_by_adafactor(
       ct = numerics.compute_dtype(grad.dtype)
       real_ct = numerics.real_dtype(ct)
       u, new_moment, finite = moments.scale_by_moment(grad.astype(ct), moment, beta2, eps)
+      # Batch axes (stacked layers, experts) are separate params: per-slice statistics.
+      batch_axes = moment.batch_axes
       if clipping_threshold is not None:
-        mean_square = numerics.mean_abs_sq(u)
-        finite &= jnp.isfinite(mean_square)
+        mean_square = numerics.mean_abs_sq(u, batch_axes)
+        finite &= numerics.all_finite(mean_square)
         threshold = jnp.asarray(clipping_threshold, real_ct)
         u = u / jnp.maximum(jnp.asarray(1, real_ct), jnp.sqrt(mean_square) / threshold).astype(ct)
       if lr is not None:
@@ -136,8 +140,8 @@ def scale_by_adafactor(
         finite &= jnp.isfinite(lr_value)
         u = u * lr_value.astype(ct)
       if multiply_by_parameter_scale:
-        rms = jnp.sqrt(numerics.mean_abs_sq(param.astype(ct)))
-        finite &= jnp.isfinite(rms)
+        rms = jnp.sqrt(numerics.mean_abs_sq(param.astype(ct), batch_axes))
+        finite &= numerics.all_finite(rms)
         min_scale = jnp.asarray(min_parameter_scale, real_ct)
         scale = jnp.where(rms <= min_scale, min_scale, rms)
         if max_parameter_scale is not None:
@@ -217,6 +221,7 @@ def safefactor(
     max_parameter_scale: float | None = None,
     skip_nonfinite_steps: bool = True,
     max_consecutive_skips: int | None = None,
+    factor_rules: FactorRulesFn | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adafactor that is safe in float16, bfloat16 and float32: a drop-in for ``optax.adafactor``.
 
@@ -272,6 +277,10 @@ def safefactor(
     max_parameter_scale: the largest parameter scale, or ``None``.
     skip_nonfinite_steps: wrap the transformation in :func:`skip_nonfinite`.
     max_consecutive_skips: passed to :func:`skip_nonfinite` as ``max_consecutive``.
+    factor_rules: ``(path, shape) -> roles`` choosing each axis's role: ``"row"``,
+      ``"column"``, ``"batch"`` (a separate slice: stacked layers, experts),
+      ``"none"``, or ``None`` to leave it to the heuristic; the callable may return
+      ``None`` for the heuristic on the whole leaf. See :func:`logical_factor_rules`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.
@@ -293,7 +302,7 @@ def safefactor(
       multiply_by_parameter_scale, clipping_threshold, momentum, dtype_momentum,
       weight_decay_rate, eps, factored, weight_decay_mask,
       state_dtype=state_dtype, beta2_cap=beta2_cap, min_parameter_scale=min_parameter_scale,
-      max_parameter_scale=max_parameter_scale,
+      max_parameter_scale=max_parameter_scale, factor_rules=factor_rules,
   )
   if not skip_nonfinite_steps:
     return core

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -17,28 +18,48 @@ from optax_safefactor._src.base import (
   unzip_leaf_results,
   zero_if_skipped,
 )
-from optax_safefactor._src.plan import FactorPlan, default_plan, plan_from_stat_shapes
+from optax_safefactor._src.plan import (
+  FactorPlan,
+  FactorRulesFn,
+  default_plan,
+  plan_from_roles,
+  plan_from_stat_shapes,
+)
 from optax_safefactor._src.sharding import full_like_param
 
 DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
 
 
-class FactoredMoment(NamedTuple):
+@partial(jax.tree_util.register_dataclass, data_fields=["v_row", "v_col"],
+         meta_fields=["batch_axes"])
+@dataclasses.dataclass(frozen=True)
+class FactoredMoment:
   """Second moment of a factored leaf, kept with all of the leaf's axes (keepdims).
 
   Attributes:
     v_row: the leaf's shape with the column axes set to 1.
     v_col: the leaf's shape with the row axes set to 1.
+    batch_axes: axes whose slices are separate parameters (static): clipping and
+      the parameter scale are computed per slice.
   """
 
-  v_row: jax.Array
-  v_col: jax.Array
+  v_row: Any
+  v_col: Any
+  batch_axes: tuple[int, ...] = ()
 
 
-class FullMoment(NamedTuple):
-  """Second moment of an unfactored leaf: one statistic per element."""
+@partial(jax.tree_util.register_dataclass, data_fields=["v"], meta_fields=["batch_axes"])
+@dataclasses.dataclass(frozen=True)
+class FullMoment:
+  """Second moment of an unfactored leaf: one statistic per element.
 
-  v: jax.Array
+  Attributes:
+    v: the leaf's shape.
+    batch_axes: as for :class:`FactoredMoment`.
+  """
+
+  v: Any
+  batch_axes: tuple[int, ...] = ()
 
 
 Moment = FactoredMoment | FullMoment
@@ -100,11 +121,13 @@ def init_moment(
   """
   dtype = numerics.resolve_state_dtype(state_dtype, param.dtype)
   floor = numerics.positive_floor(epsilon, dtype)
-  if plan is None:
-    return FullMoment(v=full_like_param(param, param.shape, floor, dtype))
+  if plan is None or not plan.factored:
+    batch_axes = () if plan is None else plan.batch_axes
+    return FullMoment(full_like_param(param, param.shape, floor, dtype), batch_axes)
   return FactoredMoment(
-      v_row=full_like_param(param, plan.row_stat_shape(param.shape), floor, dtype),
-      v_col=full_like_param(param, plan.col_stat_shape(param.shape), floor, dtype),
+      full_like_param(param, plan.row_stat_shape(param.shape), floor, dtype),
+      full_like_param(param, plan.col_stat_shape(param.shape), floor, dtype),
+      plan.batch_axes,
   )
 
 
@@ -141,7 +164,8 @@ def scale_by_moment(
     new_v = _blend(moment.v, grad_sq, beta2).astype(moment.v.dtype)
     # Read back what is stored, so this step uses exactly the statistics the next one sees.
     scale = jax.lax.rsqrt(jnp.maximum(new_v.astype(stat_dtype), floor))
-    return grad * scale.astype(grad.dtype), FullMoment(new_v), numerics.all_finite(new_v)
+    new_moment = FullMoment(new_v, moment.batch_axes)
+    return grad * scale.astype(grad.dtype), new_moment, numerics.all_finite(new_v)
 
   plan = plan_from_stat_shapes(grad.shape, moment.v_row.shape, moment.v_col.shape)
   new_row = _blend(moment.v_row, jnp.mean(grad_sq, plan.col_axes, keepdims=True), beta2)
@@ -157,7 +181,8 @@ def scale_by_moment(
   col_factor = jax.lax.rsqrt(col)
   scale = jnp.minimum(row_factor * col_factor, jax.lax.rsqrt(floor))
   finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
-  return grad * scale.astype(grad.dtype), FactoredMoment(new_row, new_col), finite
+  new_moment = FactoredMoment(new_row, new_col, moment.batch_axes)
+  return grad * scale.astype(grad.dtype), new_moment, finite
 
 
 def keep_moments_unless_skipped(step_finite, new_moments: Any, old_moments: Any) -> Any:
@@ -165,14 +190,15 @@ def keep_moments_unless_skipped(step_finite, new_moments: Any, old_moments: Any)
 
 
 def check_moment_fits(path: checks.KeyPath, moment: Moment, grad: jax.Array) -> None:
-  for name, stat in moment._asdict().items():
-    checks.check_stat_fits(path, name, stat, grad)
+  for field in dataclasses.fields(moment):
+    if field.name != "batch_axes":
+      checks.check_stat_fits(path, field.name, getattr(moment, field.name), grad)
 
 
 def factor_plan_fn(
-    factored: bool, min_dim_size_to_factor: Any
+    factored: bool, min_dim_size_to_factor: Any, factor_rules: FactorRulesFn | None = None
 ) -> Callable[[checks.KeyPath, jax.Array], FactorPlan | None]:
-  """The default plan as a function of ``(path, param)``; needs a concrete size."""
+  """The plan for each ``(path, param)``: the rule's roles, else the heuristic."""
   if not numerics.is_concrete(min_dim_size_to_factor):
     raise TypeError(
         "min_dim_size_to_factor is traced inside init; it decides state shapes, so give it "
@@ -182,8 +208,11 @@ def factor_plan_fn(
   min_size = int(min_dim_size_to_factor)
 
   def plan_for(path: checks.KeyPath, param: jax.Array) -> FactorPlan | None:
-    del path
-    return default_plan(param.shape, factored, min_size)
+    shape = tuple(param.shape)
+    roles = None if factor_rules is None else factor_rules(path, shape)
+    if roles is None:
+      return default_plan(shape, factored, min_size)
+    return plan_from_roles(shape, roles, min_size, factored, where=checks.path_name(path))
 
   return plan_for
 
@@ -220,6 +249,7 @@ def scale_by_safe_factored_rms(
     *,
     state_dtype: str | None = None,
     beta2_cap: jax.typing.ArrayLike | None = None,
+    factor_rules: FactorRulesFn | None = None,
 ) -> WitnessedTransformation:
   r"""Scale updates by a factored estimate of the gradient RMS, safely (as in Adafactor).
 
@@ -261,6 +291,7 @@ def scale_by_safe_factored_rms(
     state_dtype: dtype name of the statistics; ``None`` for float32 (float64 for
       float64 parameters).
     beta2_cap: an upper bound on beta2 (0.999 in big_vision), or ``None``.
+    factor_rules: per-axis roles, as for :func:`safefactor`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.
@@ -271,7 +302,7 @@ def scale_by_safe_factored_rms(
   """
 
   def init_fn(params):
-    plan_for = factor_plan_fn(factored, min_dim_size_to_factor)
+    plan_for = factor_plan_fn(factored, min_dim_size_to_factor, factor_rules)
     return SafeFactoredState(
         count=jnp.zeros([], jnp.int32),
         second_moment=init_second_moment(params, plan_for, state_dtype, epsilon),

@@ -92,11 +92,20 @@ def abs_sq(x: jax.Array) -> jax.Array:
   return x * x
 
 
-def mean_abs_sq(x: jax.Array) -> jax.Array:
-  """Mean of ``|x|**2`` over every element; 0 for an empty array instead of NaN."""
+def mean_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> jax.Array:
+  """Mean of ``|x|**2`` over every axis but ``keep_axes`` (keepdims when any are kept).
+
+  Returns a scalar when no axis is kept, and 0 rather than NaN for an empty array.
+  """
+  if not keep_axes:
+    if x.size == 0:
+      return jnp.zeros((), real_dtype(x.dtype))
+    return jnp.mean(abs_sq(x))
+  axes = tuple(a for a in range(x.ndim) if a not in keep_axes)
   if x.size == 0:
-    return jnp.zeros((), real_dtype(x.dtype))
-  return jnp.mean(abs_sq(x))
+    shape = tuple(1 if a in axes else size for a, size in enumerate(x.shape))
+    return jnp.zeros(shape, real_dtype(x.dtype))
+  return jnp.mean(abs_sq(x), axes, keepdims=True)
 
 
 def all_finite(x: jax.Array) -> jax.Array:

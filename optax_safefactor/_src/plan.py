@@ -10,10 +10,22 @@ is ever recomputed or shifted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
+
+ROLES = ("row", "column", "batch", "none")
+
+#: Logical axis names that hold separate layers or experts: factored per slice.
+DEFAULT_LOGICAL_RULES: Mapping[str, str] = {
+    "layers": "batch", "layer": "batch", "stack": "batch", "stage": "batch",
+    "expert": "batch", "experts": "batch",
+}
+
+Roles = Sequence[str | None]
+FactorRulesFn = Callable[[Any, tuple[int, ...]], "Roles | None"]
 
 
 class FactorPlan(NamedTuple):
@@ -22,10 +34,19 @@ class FactorPlan(NamedTuple):
   Attributes:
     row_axes: axes that index the rows; ``v_col`` is averaged over them.
     col_axes: axes that index the columns; ``v_row`` is averaged over them.
+    batch_axes: axes that index separate slices (stacked layers, experts): the
+      statistics, the row-mean normaliser, update clipping and the parameter scale
+      are all computed per slice. Every other axis keeps its size in both
+      statistics, but clipping and the parameter scale span it (as in optax).
   """
 
   row_axes: tuple[int, ...]
   col_axes: tuple[int, ...]
+  batch_axes: tuple[int, ...] = ()
+
+  @property
+  def factored(self) -> bool:
+    return bool(self.row_axes) and bool(self.col_axes)
 
   def row_stat_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of ``v_row``: ``shape`` with the column axes set to 1."""
@@ -46,9 +67,9 @@ def default_plan(
   the earlier axis, as in optax, so the two libraries factor the same axes.
 
   >>> default_plan((300, 200), True, 128)
-  FactorPlan(row_axes=(1,), col_axes=(0,))
+  FactorPlan(row_axes=(1,), col_axes=(0,), batch_axes=())
   >>> default_plan((4, 300, 200), True, 128)
-  FactorPlan(row_axes=(2,), col_axes=(1,))
+  FactorPlan(row_axes=(2,), col_axes=(1,), batch_axes=())
   >>> default_plan((300, 100), True, 128) is None
   True
 
@@ -69,8 +90,86 @@ def default_plan(
   return FactorPlan(row_axes=(row_axis,), col_axes=(col_axis,))
 
 
+def plan_from_roles(
+    shape: Sequence[int], roles: Roles, min_dim_size_to_factor: int, factored: bool,
+    where: str = "param",
+) -> FactorPlan:
+  """A plan from per-axis roles; axes whose role is ``None`` are left to the heuristic.
+
+  >>> plan_from_roles((4, 300, 200), ("batch", None, None), 128, True)
+  FactorPlan(row_axes=(2,), col_axes=(1,), batch_axes=(0,))
+  >>> plan_from_roles((3, 3, 64, 128), ("row", "row", "row", "column"), 128, True)
+  FactorPlan(row_axes=(0, 1, 2), col_axes=(3,), batch_axes=())
+
+  Raises:
+    ValueError: naming ``where``, for a rule of the wrong rank, an unknown role, or
+      rows without columns.
+  """
+  roles = tuple(roles)
+  if len(roles) != len(shape):
+    raise ValueError(
+        f"{where}: factor rule gives {len(roles)} roles {roles} for a rank-{len(shape)} "
+        f"param of shape {tuple(shape)}"
+    )
+  unknown = [role for role in roles if role is not None and role not in ROLES]
+  if unknown:
+    raise ValueError(f"{where}: unknown factor roles {unknown}; use one of {ROLES} or None")
+  row_axes = tuple(a for a, role in enumerate(roles) if role == "row")
+  col_axes = tuple(a for a, role in enumerate(roles) if role == "column")
+  batch_axes = tuple(a for a, role in enumerate(roles) if role == "batch")
+  if bool(row_axes) != bool(col_axes):
+    raise ValueError(f"{where}: factor rule {roles} names rows without columns or vice versa")
+  if not row_axes:
+    open_axes = [a for a, role in enumerate(roles) if role is None]
+    heuristic = default_plan(
+        [shape[a] for a in open_axes], factored, min_dim_size_to_factor
+    )
+    if heuristic is not None:
+      row_axes = (open_axes[heuristic.row_axes[0]],)
+      col_axes = (open_axes[heuristic.col_axes[0]],)
+  return FactorPlan(row_axes, col_axes, batch_axes)
+
+
+def logical_factor_rules(
+    axis_names: Any, rules: Mapping[str, str] | None = None
+) -> FactorRulesFn:
+  """Factor rules from logical axis names (flax partitioning names, T5X style).
+
+  Args:
+    axis_names: a tree like the params whose leaves are tuples of logical axis names
+      (``None`` for an unnamed axis), e.g. what ``nn.get_partition_spec`` holds for
+      logically partitioned params.
+    rules: logical name -> role; defaults to :data:`DEFAULT_LOGICAL_RULES`
+      (``layers``, ``stack``, ``expert``... are batch axes). Names without a rule are
+      left to the heuristic.
+
+  Returns:
+    A ``(path, shape) -> roles`` callable for ``factor_rules``.
+
+  >>> rules = logical_factor_rules({"w": ("layers", "embed", "mlp")})
+  >>> rules((jax.tree_util.DictKey("w"),), (12, 768, 3072))
+  ('batch', None, None)
+  """
+  rules = DEFAULT_LOGICAL_RULES if rules is None else rules
+  names_by_path = {
+      jax.tree_util.keystr(path): tuple(names)
+      for path, names in jax.tree_util.tree_flatten_with_path(
+          axis_names, is_leaf=lambda x: isinstance(x, tuple)
+      )[0]
+  }
+
+  def roles_for(path, shape):
+    names = names_by_path.get(jax.tree_util.keystr(tuple(path)))
+    if names is None:
+      return None
+    return tuple(None if name is None else rules.get(name) for name in names)
+
+  return roles_for
+
+
 def plan_from_stat_shapes(
-    shape: Sequence[int], row_stat_shape: Sequence[int], col_stat_shape: Sequence[int]
+    shape: Sequence[int], row_stat_shape: Sequence[int], col_stat_shape: Sequence[int],
+    batch_axes: tuple[int, ...] = (),
 ) -> FactorPlan:
   """Read a plan back off the shapes of ``v_row`` and ``v_col``.
 
@@ -78,8 +177,8 @@ def plan_from_stat_shapes(
   nothing, so they need no role.
 
   >>> plan_from_stat_shapes((300, 200), (1, 200), (300, 1))
-  FactorPlan(row_axes=(1,), col_axes=(0,))
+  FactorPlan(row_axes=(1,), col_axes=(0,), batch_axes=())
   """
   col_axes = tuple(a for a, (s, r) in enumerate(zip(shape, row_stat_shape, strict=True)) if s != r)
   row_axes = tuple(a for a, (s, c) in enumerate(zip(shape, col_stat_shape, strict=True)) if s != c)
-  return FactorPlan(row_axes=row_axes, col_axes=col_axes)
+  return FactorPlan(row_axes=row_axes, col_axes=col_axes, batch_axes=batch_axes)
