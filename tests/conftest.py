@@ -10,6 +10,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# A worker script run in subprocesses by test_multihost.py; importing it here would
+# reconfigure JAX's devices.
+collect_ignore = ["multihost_worker.py"]
+
 settings.register_profile(
     "default",
     max_examples=30,

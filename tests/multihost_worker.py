@@ -1,0 +1,54 @@
+"""One process of the multi-host test: 4 CPU devices of a global (2, 4) mesh over gloo.
+
+Run by ``tests/test_multihost.py``; not a test module itself.
+    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUTPUT.npz
+"""
+
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+import optax_safefactor as osf  # noqa: E402
+from tests.sharded_problem import SPECS, STEPS, host_arrays, make_optimizer  # noqa: E402
+
+
+def main(process_id: int, num_processes: int, port: int, output: str) -> None:
+  jax.distributed.initialize(
+      coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
+      process_id=process_id, initialization_timeout=60,
+  )
+  assert jax.device_count() == 8 and jax.local_device_count() == 4
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+
+  def global_array(values, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(values.shape, sharding, lambda index: values[index])
+
+  params_np, grads_np = host_arrays()
+  params = {k: global_array(v, SPECS[k]) for k, v in params_np.items()}
+  tx = make_optimizer()
+  with jax.set_mesh(mesh):
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for step in range(STEPS):
+      grads = {k: global_array(v[step], SPECS[k]) for k, v in grads_np.items()}
+      updates, state = update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+  gathered = multihost_utils.process_allgather(params, tiled=True)
+  # The counter is replicated on every device: read this process's copy.
+  skipped = int(osf.skipped_steps(state).addressable_data(0))
+  if process_id == 0:
+    np.savez(output, skipped=skipped, **{k: np.asarray(v) for k, v in gathered.items()})
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

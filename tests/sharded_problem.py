@@ -1,0 +1,29 @@
+"""The problem the multi-host test solves, shared by its worker processes and the reference."""
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import optax_safefactor as osf
+
+SPECS = {"w": P("data", "model"), "tall": P("model", "data"), "b": P("model"),
+         "stack": P(None, "data", "model")}
+SHAPES = {"w": (256, 512), "tall": (512, 256), "b": (512,), "stack": (3, 256, 512)}
+STEPS = 4
+POISONED_STEP = 2
+
+
+def make_optimizer():
+  return osf.safefactor(
+      0.05, momentum=0.9, weight_decay_rate=1e-3,
+      factor_rules=lambda path, shape: ("batch", None, None) if len(shape) == 3 else None,
+  )
+
+
+def host_arrays():
+  """Params and per-step grads as NumPy arrays, identical in every process; one step is
+  poisoned with a NaN so that the skip decision must agree across processes."""
+  rng = np.random.default_rng(0)
+  params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+  grads = {k: rng.normal(size=(STEPS, *s)).astype(np.float32) for k, s in SHAPES.items()}
+  grads["w"][POISONED_STEP, 3, 5] = np.nan
+  return params, grads
