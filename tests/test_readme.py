@@ -1,13 +1,29 @@
-"""The README's quickstart runs as written."""
+"""The README's code examples run as written."""
 
 import pathlib
 import re
 
+import jax.numpy as jnp
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+def _blocks(section_title):
+  section = README.read_text().split(section_title, 1)[1].split("\n## ", 1)[0]
+  return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+
+
 def test_quickstart_runs(capsys):
-  section = README.read_text().split("## Quickstart", 1)[1]
-  code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
-  exec(compile(code, str(README), "exec"), {})
+  exec(compile(_blocks("## Quickstart")[0], str(README), "exec"), {})
   assert capsys.readouterr().out.strip() == "0"
+
+
+def test_sharding_examples_run():
+  namespace = {}
+  for block in _blocks("## Sharded training"):
+    exec(compile(block, str(README), "exec"), namespace)
+  moment = namespace["opt_state"].inner_state.second_moment["w"]
+  assert moment.v_row.sharding.spec[0] == "data" and moment.v_col.sharding.spec[1] == "model"
+  stacked = {"blocks": {"kernel": jnp.ones((4, 128, 256))}}
+  state = namespace["tx"].init(stacked)
+  assert state.inner_state.second_moment["blocks"]["kernel"].batch_axes == (0,)
