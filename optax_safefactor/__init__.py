@@ -7,6 +7,7 @@ from optax_safefactor._src.guard import NonFiniteStepsError as NonFiniteStepsErr
 from optax_safefactor._src.guard import SkipNonfiniteState as SkipNonfiniteState
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
 from optax_safefactor._src.guard import skipped_steps as skipped_steps
+from optax_safefactor._src.migrate import migrate_from_optax as migrate_from_optax
 from optax_safefactor._src.moments import FactoredMoment as FactoredMoment
 from optax_safefactor._src.moments import FullMoment as FullMoment
 from optax_safefactor._src.moments import SafeFactoredState as SafeFactoredState
@@ -29,6 +30,7 @@ __all__ = (
     "SkipNonfiniteState",
     "WitnessedTransformation",
     "logical_factor_rules",
+    "migrate_from_optax",
     "safefactor",
     "scale_by_safe_factored_rms",
     "skip_nonfinite",

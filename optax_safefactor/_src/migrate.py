@@ -1,0 +1,120 @@
+"""Continue a running ``optax.adafactor`` job with safefactor: convert its optimizer state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_safefactor._src import checks
+from optax_safefactor._src.alias import SafefactorState
+from optax_safefactor._src.moments import FactoredMoment, FullMoment, SafeFactoredState
+from optax_safefactor._src.plan import plan_from_stat_shapes
+
+
+def _find(tree: Any, kind: type) -> Any | None:
+  def is_kind(x):
+    return isinstance(x, kind)
+
+  found = [x for x in jax.tree.leaves(tree, is_leaf=is_kind) if is_kind(x)]
+  return found[0] if found else None
+
+
+def _placed_like(value: Any, target: jax.Array) -> jax.Array:
+  value = jnp.asarray(value, target.dtype)
+  if isinstance(target, jax.core.Tracer):
+    return value
+  return jax.device_put(value, target.sharding)
+
+
+def _convert_moment(path, target, optax_row, optax_col, optax_full, param):
+  mismatch = ValueError(
+      f"{checks.path_name(path)}: optax and safefactor factor this param differently; build "
+      "safefactor with the same factored and min_dim_size_to_factor"
+  )
+  if isinstance(target, FullMoment):
+    if tuple(optax_full.shape) != tuple(param.shape):
+      raise mismatch
+    return FullMoment(_placed_like(optax_full, target.v), target.batch_axes)
+  plan = plan_from_stat_shapes(param.shape, target.v_row.shape, target.v_col.shape)
+  if len(plan.col_axes) != 1 or len(plan.row_axes) != 1 or optax_row.ndim != param.ndim - 1:
+    raise mismatch
+  # optax drops the reduced axis; the keepdims state puts it back as size 1.
+  row = jnp.expand_dims(jnp.asarray(optax_row), plan.col_axes[0])
+  col = jnp.expand_dims(jnp.asarray(optax_col), plan.row_axes[0])
+  if row.shape != target.v_row.shape or col.shape != target.v_col.shape:
+    raise mismatch
+  return FactoredMoment(
+      _placed_like(row, target.v_row), _placed_like(col, target.v_col), target.batch_axes
+  )
+
+
+def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation,
+                       params: Any) -> Any:
+  """Convert an ``optax.adafactor`` (or ``scale_by_factored_rms``) state for ``optimizer``.
+
+  The step count, the factored second moments and the momentum carry over, so
+  training continues where it was: on healthy float32 inputs, N optax steps then M
+  safefactor steps equal N + M optax steps. Statistics are cast to safefactor's state
+  dtype and placed like ``optimizer.init(params)`` places them; skip counters start
+  at 0.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_safefactor as osf
+    >>> params = {"w": jnp.ones((256, 128))}
+    >>> old = optax.adafactor(1e-3)
+    >>> old_state = old.init(params)
+    >>> tx = osf.safefactor(1e-3)
+    >>> state = osf.migrate_from_optax(old_state, tx, params)
+    >>> moment = state.inner_state.second_moment["w"]
+    >>> moment.v_row.shape, moment.v_col.shape
+    ((1, 128), (256, 1))
+
+  Args:
+    optax_state: the state of a running ``optax.adafactor`` or
+      ``optax.scale_by_factored_rms`` (as restored from its checkpoint).
+    optimizer: the safefactor transformation to continue with, built with the same
+      ``factored``, ``min_dim_size_to_factor`` and momentum setting.
+    params: the current params.
+
+  Returns:
+    A state for ``optimizer``.
+
+  Raises:
+    ValueError: naming the param, when the two optimizers factor it differently, or
+      when momentum is on in one and off in the other.
+  """
+  factored_state = _find(optax_state, optax.FactoredState)
+  if factored_state is None:
+    raise ValueError("no optax FactoredState found in optax_state")
+  ema_state = _find(optax_state, optax.EmaState)
+  target = optimizer.init(params)
+
+  def convert_moments(second_moment):
+    return jax.tree_util.tree_map_with_path(
+        _convert_moment, second_moment, factored_state.v_row, factored_state.v_col,
+        factored_state.v, params,
+        is_leaf=lambda x: isinstance(x, (FactoredMoment, FullMoment)),
+    )
+
+  def convert(node):
+    if not isinstance(node, (SafefactorState, SafeFactoredState)):
+      return node  # skip counters and other wrappers' state start fresh
+    count = _placed_like(factored_state.count, node.count)
+    if isinstance(node, SafeFactoredState):
+      return SafeFactoredState(count, convert_moments(node.second_moment))
+    if (node.momentum is None) != (ema_state is None):
+      raise ValueError("momentum must be on in both optimizers or off in both")
+    momentum = node.momentum
+    if ema_state is not None:
+      momentum = jax.tree.map(_placed_like, ema_state.ema, node.momentum)
+    return SafefactorState(count, convert_moments(node.second_moment), momentum)
+
+  return jax.tree.map(
+      convert, target, is_leaf=lambda x: isinstance(x, (SafefactorState, SafeFactoredState))
+  )
+
