@@ -48,7 +48,6 @@ def test_logical_names_map_layers_to_batch():
   assert_trees_close(stacked, separate, rtol=1e-6)
   state = osf.safefactor(factor_rules=rules).init({"w": jnp.ones((LAYERS, ROWS, COLS))})
   moment = state.inner_state.second_moment["w"]
-  assert moment.batch_axes == (0,)
   assert moment.v_row.shape == (LAYERS, ROWS, 1) and moment.v_col.shape == (LAYERS, 1, COLS)
 
 

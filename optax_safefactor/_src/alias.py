@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, moments, numerics
+from optax_safefactor._src import boxes, checks, moments, numerics
 from optax_safefactor._src.base import (
     WitnessedTransformation,
     keep_unless_skipped,
@@ -19,7 +19,7 @@ from optax_safefactor._src.base import (
     zero_if_skipped,
 )
 from optax_safefactor._src.guard import skip_nonfinite
-from optax_safefactor._src.plan import FactorRulesFn
+from optax_safefactor._src.plan import FactorRulesFn, batch_axes_fn
 from optax_safefactor._src.sharding import full_like_param
 
 
@@ -96,16 +96,19 @@ def scale_by_adafactor(
   here the update stays in float32 (or wider) from the gradient to the final cast.
   """
   needs_params = multiply_by_parameter_scale or weight_decay_rate is not None
+  batch_axes_for = batch_axes_fn(factor_rules)
 
   def init_fn(params):
     plan_for = moments.factor_plan_fn(factored, min_dim_size_to_factor, factor_rules)
     second_moment = moments.init_second_moment(params, plan_for, state_dtype, eps)
     first_moment = None
     if momentum is not None:
-      first_moment = jax.tree.map(
-          lambda p: full_like_param(p, p.shape, 0, _momentum_dtype(dtype_momentum, p.dtype)),
-          params,
-      )
+      def zeros_like_param(param):
+        value = boxes.unbox(param)
+        zeros = full_like_param(value, value.shape, 0, _momentum_dtype(dtype_momentum, value.dtype))
+        return boxes.rebox_like(param, zeros)
+
+      first_moment = jax.tree.map(zeros_like_param, params, is_leaf=boxes.is_box)
     return SafefactorState(jnp.zeros([], jnp.int32), second_moment, first_moment)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -123,13 +126,13 @@ def scale_by_adafactor(
       lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     decay_mask = _leaf_mask(weight_decay_mask, updates) if weight_decay_rate is not None else None
 
-    def scale_leaf(grad, moment, param, decay_this_leaf):
+    def scale_leaf(path, grad, moment, param, decay_this_leaf):
       """Everything up to momentum: the scaled update, new statistics, finiteness."""
       ct = numerics.compute_dtype(grad.dtype)
       real_ct = numerics.real_dtype(ct)
       u, new_moment, finite = moments.scale_by_moment(grad.astype(ct), moment, beta2, eps)
       # Batch axes (stacked layers, experts) are separate params: per-slice statistics.
-      batch_axes = moment.batch_axes
+      batch_axes = batch_axes_for(path, grad.shape)
       if clipping_threshold is not None:
         mean_square = numerics.mean_abs_sq(u, batch_axes)
         finite &= numerics.all_finite(mean_square)
@@ -177,7 +180,9 @@ def scale_by_adafactor(
     none_tree = jax.tree.map(lambda _: None, updates)
     params_tree = none_tree if params is None else params
     mask_tree = none_tree if decay_mask is None else decay_mask
-    scaled = jax.tree.map(scale_leaf, updates, state.second_moment, params_tree, mask_tree)
+    scaled = jax.tree_util.tree_map_with_path(
+        scale_leaf, updates, state.second_moment, params_tree, mask_tree
+    )
     scaled_updates, new_second, finite = unzip_leaf_results(updates, scaled, 3)
 
     def finish(step_finite):

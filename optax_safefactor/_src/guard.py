@@ -12,13 +12,14 @@ import optax
 
 from optax_safefactor._src import checks, numerics
 from optax_safefactor._src.base import (
-    WitnessedTransformation,
-    all_once,
-    keep_unless_skipped,
-    tree_all,
-    unzip_leaf_results,
-    zero_if_skipped,
+  WitnessedTransformation,
+  all_once,
+  keep_unless_skipped,
+  tree_all,
+  unzip_leaf_results,
+  zero_if_skipped,
 )
+from optax_safefactor._src.boxes import is_box, unbox
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -48,7 +49,8 @@ class NonFiniteStepsError(FloatingPointError):
 
 
 def _per_leaf(params: Any, value: int) -> Any:
-  return jax.tree.map(lambda _: jnp.asarray(value, jnp.int32), params)
+  # Plain scalars even for boxed params: a param's sharding does not fit a counter.
+  return jax.tree.map(lambda _: jnp.asarray(value, jnp.int32), params, is_leaf=is_box)
 
 
 def _generic_update_with_witness(inner: optax.GradientTransformation):
@@ -222,7 +224,7 @@ def skipped_steps(opt_state: Any) -> jax.Array:
   """Total skipped steps of every :func:`skip_nonfinite` found anywhere in a state.
 
   Works through ``optax.chain``, ``inject_hyperparams``, ``MultiSteps`` and any
-  other nesting.
+  other nesting, and on an ``nnx.Optimizer``'s ``opt_state``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -243,5 +245,5 @@ def skipped_steps(opt_state: Any) -> jax.Array:
         "no skip_nonfinite state found in opt_state; was the optimizer built with "
         "skip_nonfinite (safefactor does so unless skip_nonfinite_steps=False)?"
     )
-  return sum((jnp.asarray(s.skipped_steps, jnp.int32) for s in found[1:]),
-             jnp.asarray(found[0].skipped_steps, jnp.int32))
+  counts = [jnp.asarray(unbox(s.skipped_steps), jnp.int32) for s in found]
+  return sum(counts[1:], counts[0])

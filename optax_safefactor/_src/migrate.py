@@ -37,7 +37,7 @@ def _convert_moment(path, target, optax_row, optax_col, optax_full, param):
   if isinstance(target, FullMoment):
     if tuple(optax_full.shape) != tuple(param.shape):
       raise mismatch
-    return FullMoment(_placed_like(optax_full, target.v), target.batch_axes)
+    return FullMoment(_placed_like(optax_full, target.v))
   plan = plan_from_stat_shapes(param.shape, target.v_row.shape, target.v_col.shape)
   if len(plan.col_axes) != 1 or len(plan.row_axes) != 1 or optax_row.ndim != param.ndim - 1:
     raise mismatch
@@ -46,9 +46,7 @@ def _convert_moment(path, target, optax_row, optax_col, optax_full, param):
   col = jnp.expand_dims(jnp.asarray(optax_col), plan.row_axes[0])
   if row.shape != target.v_row.shape or col.shape != target.v_col.shape:
     raise mismatch
-  return FactoredMoment(
-      _placed_like(row, target.v_row), _placed_like(col, target.v_col), target.batch_axes
-  )
+  return FactoredMoment(_placed_like(row, target.v_row), _placed_like(col, target.v_col))
 
 
 def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -11,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_safefactor._src import checks, numerics
+from optax_safefactor._src import boxes, checks, numerics
 from optax_safefactor._src.base import (
   WitnessedTransformation,
   keep_unless_skipped,
@@ -30,36 +29,22 @@ from optax_safefactor._src.sharding import full_like_param
 DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["v_row", "v_col"],
-         meta_fields=["batch_axes"])
-@dataclasses.dataclass(frozen=True)
-class FactoredMoment:
+class FactoredMoment(NamedTuple):
   """Second moment of a factored leaf, kept with all of the leaf's axes (keepdims).
 
   Attributes:
     v_row: the leaf's shape with the column axes set to 1.
     v_col: the leaf's shape with the row axes set to 1.
-    batch_axes: axes whose slices are separate parameters (static): clipping and
-      the parameter scale are computed per slice.
   """
 
-  v_row: Any
-  v_col: Any
-  batch_axes: tuple[int, ...] = ()
+  v_row: jax.Array
+  v_col: jax.Array
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["v"], meta_fields=["batch_axes"])
-@dataclasses.dataclass(frozen=True)
-class FullMoment:
-  """Second moment of an unfactored leaf: one statistic per element.
+class FullMoment(NamedTuple):
+  """Second moment of an unfactored leaf: one statistic per element."""
 
-  Attributes:
-    v: the leaf's shape.
-    batch_axes: as for :class:`FactoredMoment`.
-  """
-
-  v: Any
-  batch_axes: tuple[int, ...] = ()
+  v: jax.Array
 
 
 Moment = FactoredMoment | FullMoment
@@ -122,12 +107,10 @@ def init_moment(
   dtype = numerics.resolve_state_dtype(state_dtype, param.dtype)
   floor = numerics.positive_floor(epsilon, dtype)
   if plan is None or not plan.factored:
-    batch_axes = () if plan is None else plan.batch_axes
-    return FullMoment(full_like_param(param, param.shape, floor, dtype), batch_axes)
+    return FullMoment(full_like_param(param, param.shape, floor, dtype))
   return FactoredMoment(
       full_like_param(param, plan.row_stat_shape(param.shape), floor, dtype),
       full_like_param(param, plan.col_stat_shape(param.shape), floor, dtype),
-      plan.batch_axes,
   )
 
 
@@ -164,7 +147,7 @@ def scale_by_moment(
     new_v = _blend(moment.v, grad_sq, beta2).astype(moment.v.dtype)
     # Read back what is stored, so this step uses exactly the statistics the next one sees.
     scale = jax.lax.rsqrt(jnp.maximum(new_v.astype(stat_dtype), floor))
-    new_moment = FullMoment(new_v, moment.batch_axes)
+    new_moment = FullMoment(new_v)
     return grad * scale.astype(grad.dtype), new_moment, numerics.all_finite(new_v)
 
   plan = plan_from_stat_shapes(grad.shape, moment.v_row.shape, moment.v_col.shape)
@@ -181,7 +164,7 @@ def scale_by_moment(
   col_factor = jax.lax.rsqrt(col)
   scale = jnp.minimum(row_factor * col_factor, jax.lax.rsqrt(floor))
   finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
-  new_moment = FactoredMoment(new_row, new_col, moment.batch_axes)
+  new_moment = FactoredMoment(new_row, new_col)
   return grad * scale.astype(grad.dtype), new_moment, finite
 
 
@@ -190,9 +173,8 @@ def keep_moments_unless_skipped(step_finite, new_moments: Any, old_moments: Any)
 
 
 def check_moment_fits(path: checks.KeyPath, moment: Moment, grad: jax.Array) -> None:
-  for field in dataclasses.fields(moment):
-    if field.name != "batch_axes":
-      checks.check_stat_fits(path, field.name, getattr(moment, field.name), grad)
+  for name, stat in moment._asdict().items():
+    checks.check_stat_fits(path, name, stat, grad)
 
 
 def factor_plan_fn(
@@ -221,10 +203,12 @@ def init_second_moment(params: Any, plan_for, state_dtype, epsilon) -> Any:
   """The tree of per-leaf statistics for ``params``."""
 
   def init_leaf(path, param):
-    checks.check_inexact_leaf(path, param)
-    return init_moment(param, plan_for(path, param), state_dtype, epsilon)
+    value = boxes.unbox(param)
+    checks.check_inexact_leaf(path, value)
+    moment = init_moment(value, plan_for(path, value), state_dtype, epsilon)
+    return type(moment)(*(boxes.rebox_like(param, stat) for stat in moment))
 
-  return jax.tree_util.tree_map_with_path(init_leaf, params)
+  return jax.tree_util.tree_map_with_path(init_leaf, params, is_leaf=boxes.is_box)
 
 
 def check_update_inputs(grads: Any, second_moment: Any, params: Any | None) -> None:

@@ -130,6 +130,21 @@ def plan_from_roles(
   return FactorPlan(row_axes, col_axes, batch_axes)
 
 
+def batch_axes_fn(
+    factor_rules: FactorRulesFn | None,
+) -> Callable[[Any, tuple[int, ...]], tuple[int, ...]]:
+  """``(path, shape) -> batch axes`` from the rules: the only part of a plan that the
+  state's shapes cannot show (a batch axis keeps its size, like an axis with no role)."""
+
+  def batch_axes_for(path, shape):
+    roles = None if factor_rules is None else factor_rules(path, tuple(shape))
+    if roles is None:
+      return ()
+    return tuple(a for a, role in enumerate(roles) if role == "batch")
+
+  return batch_axes_for
+
+
 def logical_factor_rules(
     axis_names: Any, rules: Mapping[str, str] | None = None
 ) -> FactorRulesFn:

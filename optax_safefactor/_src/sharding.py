@@ -107,7 +107,7 @@ def state_partition_specs(
     >>> params = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32)}
     >>> specs = osf.state_partition_specs(osf.safefactor(), params, {"w": P("data", "model")})
     >>> specs.inner_state.second_moment["w"]
-    FactoredMoment(v_row=P('data', None), v_col=P(None, 'model'), batch_axes=())
+    FactoredMoment(v_row=P('data', None), v_col=P(None, 'model'))
 
   Args:
     optimizer: any optax transformation; its ``init`` is only traced abstractly.
