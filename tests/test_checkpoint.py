@@ -88,13 +88,13 @@ def test_restore_onto_another_mesh(tmp_path):
   assert v_row.sharding.spec == P("data", None)
   assert_trees_equal(jax.tree.map(np.asarray, restored),
                      jax.tree.map(np.asarray, {"params": params, "opt_state": state}))
+  def on(mesh):
+    placed = {k: NamedSharding(mesh, SPECS[k]) for k in SHAPES}
+    return lambda grads: {k: jax.device_put(g, placed[k]) for k, g in grads.items()}
+
   with jax.set_mesh(restore_mesh):
-    placed = {k: NamedSharding(restore_mesh, SPECS[k]) for k in SHAPES}
-    resumed = _steps(tx, restored["params"], restored["opt_state"], 3, 6,
-                     place=lambda grads: {k: jax.device_put(g, placed[k]) for k, g in grads.items()})
+    resumed = _steps(tx, restored["params"], restored["opt_state"], 3, 6, place=on(restore_mesh))
   with jax.set_mesh(save_mesh):
-    placed = {k: NamedSharding(save_mesh, SPECS[k]) for k in SHAPES}
-    continued = _steps(tx, params, state, 3, 6,
-                       place=lambda grads: {k: jax.device_put(g, placed[k]) for k, g in grads.items()})
+    continued = _steps(tx, params, state, 3, 6, place=on(save_mesh))
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(continued), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
