@@ -26,4 +26,5 @@ def test_sharding_examples_run():
   assert moment.v_row.sharding.spec[0] == "data" and moment.v_col.sharding.spec[1] == "model"
   stacked = {"blocks": {"kernel": jnp.ones((4, 128, 256))}}
   state = namespace["tx"].init(stacked)
-  assert state.inner_state.second_moment["blocks"]["kernel"].v_row.shape == (4, 1, 256)
+  moment = state.inner_state.second_moment["blocks"]["kernel"]
+  assert moment.v_row.shape == (4, 128, 1) and moment.v_col.shape == (4, 1, 256)
