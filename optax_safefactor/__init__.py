@@ -5,6 +5,8 @@ from optax_safefactor._src.alias import safefactor as safefactor
 from optax_safefactor._src.base import WitnessedTransformation as WitnessedTransformation
 from optax_safefactor._src.guard import NonFiniteStepsError as NonFiniteStepsError
 from optax_safefactor._src.guard import SkipNonfiniteState as SkipNonfiniteState
+from optax_safefactor._src.guard import nonfinite_report as nonfinite_report
+from optax_safefactor._src.guard import nonfinite_summary as nonfinite_summary
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
 from optax_safefactor._src.guard import skipped_steps as skipped_steps
 from optax_safefactor._src.migrate import migrate_from_optax as migrate_from_optax
@@ -31,6 +33,8 @@ __all__ = (
     "WitnessedTransformation",
     "logical_factor_rules",
     "migrate_from_optax",
+    "nonfinite_report",
+    "nonfinite_summary",
     "safefactor",
     "scale_by_safe_factored_rms",
     "skip_nonfinite",

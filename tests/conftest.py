@@ -10,9 +10,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# A worker script run in subprocesses by test_multihost.py; importing it here would
-# reconfigure JAX's devices.
-collect_ignore = ["multihost_worker.py"]
+# Worker scripts run in subprocesses by test_multihost.py and test_crash_resume.py;
+# importing them here would reconfigure JAX's devices or kill the test process.
+collect_ignore = ["multihost_worker.py", "crash_worker.py"]
 
 settings.register_profile(
     "default",

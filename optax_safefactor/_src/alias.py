@@ -227,6 +227,7 @@ def safefactor(
     skip_nonfinite_steps: bool = True,
     max_consecutive_skips: int | None = None,
     factor_rules: FactorRulesFn | None = None,
+    checked: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Adafactor that is safe in float16, bfloat16 and float32: a drop-in for ``optax.adafactor``.
 
@@ -282,6 +283,8 @@ def safefactor(
     max_parameter_scale: the largest parameter scale, or ``None``.
     skip_nonfinite_steps: wrap the transformation in :func:`skip_nonfinite`.
     max_consecutive_skips: passed to :func:`skip_nonfinite` as ``max_consecutive``.
+    checked: passed to :func:`skip_nonfinite`: raise through checkify on the first
+      non-finite leaf, with its path and the step (debugging).
     factor_rules: ``(path, shape) -> roles`` choosing each axis's role: ``"row"``,
       ``"column"``, ``"batch"`` (a separate slice: stacked layers, experts),
       ``"none"``, or ``None`` to leave it to the heuristic; the callable may return
@@ -311,4 +314,4 @@ def safefactor(
   )
   if not skip_nonfinite_steps:
     return core
-  return skip_nonfinite(core, max_consecutive_skips)
+  return skip_nonfinite(core, max_consecutive_skips, checked=checked)

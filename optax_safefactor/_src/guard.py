@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import checkify
 
 from optax_safefactor._src import checks, numerics
 from optax_safefactor._src.base import (
@@ -106,7 +107,10 @@ def _raise_nonfinite_steps(consecutive, step, leaf_finite, *, leaf_names, max_co
 
 
 def skip_nonfinite(
-    inner: optax.GradientTransformation, max_consecutive: int | None = None
+    inner: optax.GradientTransformation,
+    max_consecutive: int | None = None,
+    *,
+    checked: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Skip, and count, every step whose updates or new state would be non-finite.
 
@@ -143,6 +147,11 @@ def skip_nonfinite(
       error surfaces at the next synchronisation with the device; everything
       computed since the last applied step was skipped, so nothing is lost. ``None``
       (the default) skips for ever.
+    checked: also raise, through ``jax.experimental.checkify``, on the first step in
+      which any leaf is non-finite, naming the parameter path and the step. The step
+      is still skipped. Run the training step under ``checkify.checkify`` or
+      ``chex.chexify`` (without either, tracing the step fails with checkify's own
+      error); meant for debugging, since checking synchronises with the host.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -180,6 +189,12 @@ def skip_nonfinite(
                            leaf_finite)
     nonfinite_steps, last_nonfinite_step = unzip_leaf_results(state.nonfinite_steps, counted, 2)
     consecutive = jnp.where(step_finite, 0, optax.safe_increment(state.consecutive_skips))
+    if checked:
+      for path, finite in jax.tree_util.tree_flatten_with_path(leaf_finite)[0]:
+        checkify.check(
+            finite, f"{checks.path_name(path)}: non-finite gradient, update or optimizer "
+            "state at step {step}; the step was skipped", step=state.step,
+        )
 
     if max_consecutive is not None:
       flat = jax.tree_util.tree_flatten_with_path(leaf_finite)[0]
@@ -247,3 +262,68 @@ def skipped_steps(opt_state: Any) -> jax.Array:
     )
   counts = [jnp.asarray(unbox(s.skipped_steps), jnp.int32) for s in found]
   return sum(counts[1:], counts[0])
+
+
+def nonfinite_report(opt_state: Any) -> dict[str, int]:
+  """What the non-finite guard saw, as a flat dict of ints ready to log.
+
+  Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), then
+  ``nonfinite_steps/<path>`` and ``last_nonfinite_step/<path>`` (-1 if never) for each
+  parameter. With several guards in one state, the keys of the second and later ones
+  are prefixed ``guard<i>/``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(0.1)
+    >>> params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.ones((2, 3)), "b": jnp.full(3, jnp.nan)}, state, params)
+    >>> report = osf.nonfinite_report(state)
+    >>> report["skipped_steps"], report["nonfinite_steps/params['b']"]
+    (1, 1)
+  """
+  found = _skip_states(opt_state)
+  if not found:
+    raise ValueError("no skip_nonfinite state found in opt_state")
+  report: dict[str, int] = {}
+  for index, guard in enumerate(found):
+    prefix = f"guard{index}/" if index else ""
+    for name in ("skipped_steps", "consecutive_skips"):
+      report[prefix + name] = int(unbox(getattr(guard, name)))
+    report[prefix + "steps"] = int(unbox(guard.step))
+    for field in ("nonfinite_steps", "last_nonfinite_step"):
+      flat = jax.tree_util.tree_flatten_with_path(getattr(guard, field), is_leaf=is_box)[0]
+      for path, value in flat:
+        report[f"{prefix}{field}/{checks.path_name(path)}"] = int(unbox(value))
+  return report
+
+
+def nonfinite_summary(opt_state: Any) -> str:
+  """One line for a training log: skipped steps and the leaves that were non-finite.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(0.1)
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> print(osf.nonfinite_summary(state))
+    no non-finite steps in 0 steps
+    >>> _, state = tx.update({"w": jnp.full((2, 3), jnp.inf)}, state, params)
+    >>> print(osf.nonfinite_summary(state))
+    skipped 1 of 1 steps (1 in a row); non-finite: params['w'] x1 (last at step 0)
+  """
+  report = nonfinite_report(opt_state)
+  if report["skipped_steps"] == 0:
+    return f"no non-finite steps in {report['steps']} steps"
+  leaves = [
+      f"{key.split('/', 1)[1]} x{count} (last at step "
+      f"{report['last_nonfinite_step/' + key.split('/', 1)[1]]})"
+      for key, count in report.items()
+      if key.startswith("nonfinite_steps/") and count
+  ]
+  return (
+      f"skipped {report['skipped_steps']} of {report['steps']} steps "
+      f"({report['consecutive_skips']} in a row); non-finite: {', '.join(leaves) or 'state only'}"
+  )

@@ -1,0 +1,196 @@
+"""Bad input, fuzzing with poisoned steps, long runs, checked mode and diagnostics."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental import checkify
+
+import optax_safefactor as osf
+from tests.helpers import is_all_zero, tree_all_finite
+
+SHAPES = {"w": (130, 140), "b": (140,)}
+
+
+def _one_step(grad_value, dtype=jnp.float32, momentum=None):
+  params = {k: jnp.full(s, 0.5, dtype) for k, s in SHAPES.items()}
+  grads = {"w": jnp.asarray(grad_value, dtype) * jnp.ones(SHAPES["w"], dtype),
+           "b": jnp.ones(SHAPES["b"], dtype)}
+  tx = osf.safefactor(0.01, momentum=momentum)
+  state = tx.init(params)
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  return state, updates, new_state
+
+
+@pytest.mark.parametrize("value,skipped", [
+    (np.nan, True), (np.inf, True), (-np.inf, True),
+    (1e38, True),       # finite, but its square overflows float32
+    (1e-45, False),     # a float32 subnormal: a tiny, finite step
+    (0.0, False),
+])
+def test_gradient_value_matrix(value, skipped):
+  state, updates, new_state = _one_step(value, momentum=0.9)
+  assert int(osf.skipped_steps(new_state)) == int(skipped)
+  assert tree_all_finite((updates, new_state))
+  if skipped:
+    assert all(is_all_zero(u) for u in jax.tree.leaves(updates))
+    for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(new_state.inner_state),
+                    strict=True):
+      np.testing.assert_array_equal(a, b)
+    assert osf.nonfinite_report(new_state)["nonfinite_steps/params['w']"] == 1
+  elif value == 0.0:
+    assert is_all_zero(updates["w"])
+
+
+def test_mixture_of_bad_values_is_one_skipped_step():
+  params = {k: jnp.full(s, 0.5) for k, s in SHAPES.items()}
+  w = jnp.zeros(SHAPES["w"]).at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf).at[2, 2].set(1e38)
+  grads = {"w": w.at[3, 3].set(1e-45), "b": jnp.full(SHAPES["b"], -jnp.inf)}
+  tx = osf.safefactor(0.01)
+  _, state = tx.update(grads, tx.init(params), params)
+  report = osf.nonfinite_report(state)
+  assert report["skipped_steps"] == 1
+  assert report["nonfinite_steps/params['w']"] == 1 and report["nonfinite_steps/params['b']"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "complex64"])
+def test_param_dtype_matrix(dtype, x64):
+  dtype = jnp.dtype(dtype)
+  rng = np.random.default_rng(0)
+  values = rng.normal(size=SHAPES["w"])
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    values = values + 1j * rng.normal(size=SHAPES["w"])
+  params = {"w": jnp.asarray(values, dtype)}
+  tx = osf.safefactor(0.01, momentum=0.9)
+  state = tx.init(params)
+  updates, state = tx.update(jax.tree.map(lambda p: p * 0.1, params), state, params)
+  assert updates["w"].dtype == dtype
+  stat_dtype = jnp.float64 if dtype in (jnp.float64,) else jnp.float32
+  assert state.inner_state.second_moment["w"].v_row.dtype == stat_dtype
+  assert tree_all_finite((updates, state))
+  assert int(osf.skipped_steps(state)) == 0
+
+
+def test_bool_params_are_refused():
+  with pytest.raises(TypeError, match=r"params\['mask'\]: param dtype bool"):
+    osf.safefactor(0.1).init({"w": jnp.ones(3), "mask": jnp.ones(3, bool)})
+
+
+@settings(max_examples=20)
+@given(
+    shape=st.lists(st.sampled_from([1, 3, 8, 17]), min_size=1, max_size=3),
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    log_magnitude=st.floats(-8, 3),
+    momentum=st.sampled_from([None, 0.9]),
+    poisoned=st.sets(st.integers(0, 7), max_size=4),
+    poison=st.sampled_from([np.nan, np.inf, -np.inf]),
+    seed=st.integers(0, 1000),
+)
+def test_fuzz_poisoned_steps_are_counted_exactly(shape, dtype, log_magnitude, momentum, poisoned,
+                                                 poison, seed):
+  rng = np.random.default_rng(seed)
+  shape, dtype = tuple(shape), jnp.dtype(dtype)
+  params = {"x": jnp.asarray(rng.normal(size=shape), dtype), "y": jnp.ones((4, 5), dtype)}
+  tx = osf.safefactor(0.01, min_dim_size_to_factor=2, momentum=momentum)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for step in range(8):
+    grad = rng.normal(size=shape) * 10.0**log_magnitude
+    if step in poisoned:
+      grad.flat[rng.integers(grad.size)] = poison
+    grads = {"x": jnp.asarray(grad, dtype), "y": jnp.ones((4, 5), dtype)}
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  assert tree_all_finite((params, state))
+  assert int(osf.skipped_steps(state)) == len(poisoned)
+  report = osf.nonfinite_report(state)
+  assert report["nonfinite_steps/params['x']"] == len(poisoned)
+  assert report["nonfinite_steps/params['y']"] == 0
+  assert report["last_nonfinite_step/params['x']"] == (max(poisoned) if poisoned else -1)
+
+
+def test_ten_thousand_float16_steps_with_dead_units_and_nan_batches():
+  rng = np.random.default_rng(0)
+  steps = 10_000
+  poisoned = np.sort(rng.choice(steps, size=37, replace=False))
+  inputs = jnp.asarray(rng.normal(size=(32, 130)), jnp.float16)
+  targets = jnp.asarray(rng.normal(size=(32, 8)), jnp.float16)
+  params = {
+      "hidden": jnp.asarray(rng.normal(size=(130, 160)) * 0.1, jnp.float16),
+      "bias": jnp.concatenate([jnp.zeros(80), jnp.full(80, -1e3)]).astype(jnp.float16),
+      "out": jnp.asarray(rng.normal(size=(160, 8)) * 0.1, jnp.float16),
+  }
+  is_poisoned = jnp.zeros(steps, bool).at[poisoned].set(True)
+
+  def loss(params, poison):
+    batch = jnp.where(poison, jnp.asarray(jnp.nan, jnp.float16), inputs)
+    hidden = jax.nn.relu(batch @ params["hidden"] + params["bias"][None, :])
+    return jnp.mean((hidden @ params["out"] - targets) ** 2)
+
+  tx = osf.safefactor(1e-3, momentum=0.9)
+
+  def step(carry, poison):
+    params, state = carry
+    grads = jax.grad(loss)(params, poison)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+    return (params, state), finite
+
+  initial_loss = float(loss(params, False))
+  (params, state), finite = jax.jit(
+      lambda p, s: jax.lax.scan(step, (p, s), is_poisoned))(params, tx.init(params))
+  assert bool(jnp.all(finite)) and tree_all_finite(state)
+  report = osf.nonfinite_report(state)
+  assert report["skipped_steps"] == len(poisoned) and report["steps"] == steps
+  assert report["last_nonfinite_step/params['hidden']"] == int(poisoned[-1])
+  assert int(state.inner_state.count) == steps - len(poisoned)
+  assert float(loss(params, False)) < 0.9 * initial_loss
+  np.testing.assert_array_equal(params["bias"][80:], np.full(80, -1e3, np.float16))
+
+
+def _checked_step():
+  tx = osf.safefactor(0.1, checked=True)
+  params = {"dense": {"kernel": jnp.ones((4, 3))}}
+
+  def step(state, grads):
+    return tx.update(grads, state, params)
+
+  bad = {"dense": {"kernel": jnp.ones((4, 3)).at[1, 2].set(jnp.nan)}}
+  good = {"dense": {"kernel": jnp.ones((4, 3))}}
+  return step, tx.init(params), good, bad
+
+
+def test_checked_mode_with_checkify_names_path_and_step():
+  step, state, good, bad = _checked_step()
+  checked = jax.jit(checkify.checkify(step))
+  error, (_, state) = checked(state, good)
+  error.throw()
+  error, (updates, new_state) = checked(state, bad)
+  with pytest.raises(checkify.JaxRuntimeError,
+                     match=r"params\['dense'\]\['kernel'\]: non-finite .* at step 1"):
+    error.throw()
+  assert int(osf.skipped_steps(new_state)) == 1 and is_all_zero(updates["dense"]["kernel"])
+
+
+def test_checked_mode_with_chexify():
+  step, state, good, bad = _checked_step()
+  checked = chex.chexify(jax.jit(step))
+  _, state = checked(state, good)
+  with pytest.raises(Exception, match=r"params\['dense'\]\['kernel'\]: non-finite"):
+    checked(state, bad)
+    chex.block_until_chexify_assertions_complete()
+
+
+def test_summary_line():
+  params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+  tx = osf.safefactor(0.1)
+  state = tx.init(params)
+  for value in (1.0, jnp.nan, jnp.nan, 1.0):
+    _, state = tx.update({"w": jnp.full((2, 3), value), "b": jnp.ones(3)}, state, params)
+  assert osf.nonfinite_summary(state) == (
+      "skipped 2 of 4 steps (0 in a row); non-finite: params['w'] x2 (last at step 2)")
