@@ -210,3 +210,20 @@ def test_weight_decay_mask(rng):
     updates, _ = tx.update(zeros, tx.init(params), params)
     np.testing.assert_allclose(updates["w"], -0.5 * params["w"], rtol=1e-6)
     np.testing.assert_array_equal(updates["b"], jnp.zeros(3))
+
+
+def test_first_steps_compile_once(rng):
+  # Params fresh from an initializer are uncommitted; a state committed to a device
+  # would differ from what the step returns, and the second step would compile again.
+  params = random_tree(rng, SHAPES)
+  tx = osf.safefactor(0.1, momentum=0.9)
+
+  @jax.jit
+  def step(params, state):
+    updates, state = tx.update(params, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for _ in range(3):
+    params, state = step(params, state)
+  assert step._cache_size() == 1

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from optax_safefactor._src import numerics
 
@@ -73,7 +73,9 @@ def full_like_param(
     if isinstance(param, jax.core.Tracer):
       return jnp.full(shape, fill_value, dtype, out_sharding=stat_sharding)
     return jnp.full(shape, fill_value, dtype, device=stat_sharding)
-  if isinstance(sharding, SingleDeviceSharding) and not isinstance(param, jax.core.Tracer):
+  # Follow the param's commitment: a state committed where the params are not (or the
+  # reverse) differs from what a jitted step returns, and the second step compiles again.
+  if isinstance(sharding, Sharding) and getattr(param, "committed", False):
     return jnp.full(shape, fill_value, dtype, device=sharding)
   return jnp.full(shape, fill_value, dtype)
 
