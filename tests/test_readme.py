@@ -28,3 +28,12 @@ def test_sharding_examples_run():
   state = namespace["tx"].init(stacked)
   moment = state.inner_state.second_moment["blocks"]["kernel"]
   assert moment.v_row.shape == (4, 128, 1) and moment.v_col.shape == (4, 1, 256)
+
+
+def test_exactly_two_setup_commands_and_ci_runs_the_test_one():
+  commands = re.findall(r"```bash\n(.*?)\n```", README.read_text(), re.DOTALL)
+  assert len(commands) == 2
+  assert commands[0].endswith("python -m optax_safefactor")
+  assert commands[1].endswith("pytest")
+  ci = (README.parent / ".ci" / "run").read_text()
+  assert commands[1] in ci

@@ -1,0 +1,203 @@
+"""The main job: a tiny transformer language model trained in float16 and bfloat16.
+
+``python -m optax_safefactor`` trains the same character-level model, on the text of the
+Apache License 2.0 shipped with the package, with ``safefactor`` and with
+``optax.adafactor``, with params in float16 and in bfloat16, then prints a table and
+writes a plot of the loss curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_safefactor as osf
+
+SEQUENCE_LENGTH = 64
+BATCH_SIZE = 16
+WIDTH = 128
+LAYERS = 2
+HEADS = 4
+
+
+def load_corpus() -> str:
+  return resources.files("optax_safefactor").joinpath("data/apache-2.0.txt").read_text()
+
+
+def _build_model(vocab_size: int, dtype, seed: int):
+  """Params stored in ``dtype`` (their gradients too); activations in float32."""
+  from flax import nnx
+
+  compute = jnp.float32
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.attention_norm = nnx.LayerNorm(WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
+      self.attention = nnx.MultiHeadAttention(
+          num_heads=HEADS, in_features=WIDTH, dtype=compute, param_dtype=dtype, decode=False,
+          rngs=rngs)
+      self.mlp_norm = nnx.LayerNorm(WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
+      self.up = nnx.Linear(WIDTH, 4 * WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
+      self.down = nnx.Linear(4 * WIDTH, WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, mask):
+      x = x + self.attention(self.attention_norm(x), mask=mask)
+      return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+  class LanguageModel(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(vocab_size, WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
+      self.position = nnx.Param(
+          (jax.random.normal(rngs.params(), (SEQUENCE_LENGTH, WIDTH)) * 0.02).astype(dtype))
+      self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+      self.norm = nnx.LayerNorm(WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens):
+      x = self.embed(tokens) + self.position[None, : tokens.shape[1]].astype(compute)
+      mask = nnx.make_causal_mask(tokens)
+      for block in self.blocks:
+        x = block(x, mask)
+      return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+  return LanguageModel(nnx.Rngs(seed))
+
+
+@dataclasses.dataclass
+class RunResult:
+  optimizer: str
+  dtype: str
+  losses: list[float]
+  nonfinite_param_steps: int
+  skipped_steps: int | None
+  state_bytes: int
+  ms_per_step: float
+
+
+def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress) -> RunResult:
+  from flax import nnx
+
+  corpus = load_corpus()
+  alphabet = sorted(set(corpus))
+  encoded = np.array([alphabet.index(c) for c in corpus], np.int32)
+  dtype = jnp.dtype(dtype_name)
+  model = _build_model(len(alphabet), dtype, seed)
+  tx = osf.safefactor(1e-2) if optimizer_name == "safefactor" else optax.adafactor(1e-2)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  rng = np.random.default_rng(seed)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    params_finite = jnp.all(jnp.stack([
+        jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]))
+    return loss, params_finite
+
+  losses, nonfinite_steps, started = [], 0, None
+  for index in range(steps):
+    starts = rng.integers(0, len(encoded) - SEQUENCE_LENGTH - 1, BATCH_SIZE)
+    tokens = jnp.asarray(np.stack([encoded[s:s + SEQUENCE_LENGTH + 1] for s in starts]))
+    loss, params_finite = step(model, optimizer, tokens)
+    losses.append(float(loss))
+    nonfinite_steps += not bool(params_finite)
+    if index == 0:
+      started = time.perf_counter()  # the first step includes compilation
+    progress.update(1)
+  ms_per_step = (time.perf_counter() - started) * 1e3 / max(steps - 1, 1)
+  state_leaves = jax.tree.leaves(nnx.state(optimizer.opt_state))
+  skipped = int(osf.skipped_steps(optimizer.opt_state)) if optimizer_name == "safefactor" else None
+  return RunResult(
+      optimizer_name, dtype_name, losses, nonfinite_steps, skipped,
+      sum(np.asarray(leaf).nbytes for leaf in state_leaves), ms_per_step)
+
+
+def results_table(results: Sequence[RunResult]) -> str:
+  header = ("| optimizer | params | final loss | steps with non-finite params | steps skipped "
+            "| optimizer state | ms / step |")
+  rows = [header, "|---|---|---|---|---|---|---|"]
+  for r in results:
+    final = r.losses[-1]
+    rows.append(
+        f"| {r.optimizer} | {r.dtype} | {final:.3f} | {r.nonfinite_param_steps} / {len(r.losses)} "
+        f"| {'n/a' if r.skipped_steps is None else r.skipped_steps} "
+        f"| {r.state_bytes / 1024:.1f} KiB | {r.ms_per_step:.1f} |"
+    )
+  return "\n".join(rows)
+
+
+def plot(results: Sequence[RunResult], path: pathlib.Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  figure, axes = plt.subplots(1, len({r.dtype for r in results}), figsize=(11, 4), squeeze=False)
+  for axis, dtype in zip(axes[0], sorted({r.dtype for r in results}), strict=True):
+    for r in (r for r in results if r.dtype == dtype):
+      losses = np.asarray(r.losses)
+      style = "-" if r.optimizer == "safefactor" else "--"
+      axis.plot(np.arange(len(losses)), losses, style, label=r.optimizer)
+      bad = np.flatnonzero(~np.isfinite(losses))
+      if bad.size:
+        axis.axvline(bad[0], color="red", alpha=0.4)
+        axis.annotate(f"{r.optimizer}: NaN from step {bad[0]}", (bad[0], axis.get_ylim()[1]),
+                      xytext=(5, -15), textcoords="offset points", color="red", fontsize=8)
+    axis.set_title(f"params in {dtype}")
+    axis.set_xlabel("step")
+    axis.set_ylabel("training loss (cross-entropy)")
+    axis.legend()
+  figure.suptitle("Character-level transformer on the Apache-2.0 text")
+  figure.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(path, dpi=110)
+  plt.close(figure)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      prog="python -m optax_safefactor",
+      description="Train a tiny transformer in float16 and bfloat16 with safefactor and with "
+                  "optax.adafactor, print a results table and write a plot of the loss curves.",
+  )
+  parser.add_argument("--steps", type=int, default=150, help="training steps per run (150)")
+  parser.add_argument("--dtype", choices=("float16", "bfloat16", "both"), default="both",
+                      help="parameter dtype (both)")
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("safefactor-demo"),
+                      help="folder for the plot (./safefactor-demo)")
+  parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
+  args = parser.parse_args(argv)
+  if args.steps < 2:
+    parser.error("--steps must be at least 2")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  from tqdm import tqdm
+
+  dtypes = ("float16", "bfloat16") if args.dtype == "both" else (args.dtype,)
+  runs = [(name, dtype) for dtype in dtypes for name in ("safefactor", "optax.adafactor")]
+  results = []
+  with tqdm(total=len(runs) * args.steps, unit="step", file=sys.stderr) as progress:
+    for name, dtype in runs:
+      progress.set_description(f"{name} / {dtype}")
+      results.append(train(name, dtype, args.steps, args.seed, progress))
+  print(results_table(results))
+  path = args.out / "loss_curves.png"
+  plot(results, path)
+  print(f"plot: {path}")
+  return 0
