@@ -1,0 +1,115 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # safefactor quickstart
+#
+# `optax_safefactor.safefactor` is Adafactor with the same arguments and results as
+# `optax.adafactor`, but safe in float16 and bfloat16, and it skips and counts non-finite
+# steps. This notebook trains a small Flax NNX model with it, compares it with
+# `optax.adafactor` when the params are float16, and reads the skip counters.
+
+# %%
+import sys
+
+if "google.colab" in sys.modules:  # only in Colab: install the package
+    # %pip install -q "optax-safefactor[demo]"
+
+# %%
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from flax import nnx
+
+import optax_safefactor as osf
+
+print("JAX backend:", jax.default_backend(), "-", len(jax.devices()), "device(s)")
+
+# %% [markdown]
+# ## A model and a task
+# A two-layer MLP regressing a fixed random function. Half of the hidden units start dead
+# (a large negative bias), so their rows of the first weight matrix get zero gradients, which
+# is the situation that makes optax's float16 Adafactor divide 0 by 0.
+
+# %%
+class MLP(nnx.Module):
+    def __init__(self, dtype, rngs):
+        self.hidden = nnx.Linear(64, 256, param_dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(256, 8, param_dtype=dtype, rngs=rngs)
+        dead = jnp.concatenate([jnp.zeros(128), jnp.full(128, -100.0)]).astype(dtype)
+        self.hidden.bias.set_value(dead)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+rng = np.random.default_rng(0)
+inputs = jnp.asarray(rng.normal(size=(128, 64)), jnp.float32)
+targets = jnp.asarray(np.sin(np.asarray(inputs) @ rng.normal(size=(64, 8)) / 8), jnp.float32)
+
+
+def train(tx, dtype, steps=100):
+    model = MLP(dtype, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss_fn(model):
+            prediction = model(inputs.astype(dtype)).astype(jnp.float32)
+            return jnp.mean((prediction - targets) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return [float(step(model, optimizer)) for _ in range(steps)], optimizer
+
+
+# %% [markdown]
+# ## float16 params: safefactor against optax.adafactor
+
+# %%
+safe_losses, safe_optimizer = train(osf.safefactor(learning_rate=0.05), jnp.float16)
+optax_losses, _ = train(optax.adafactor(learning_rate=0.05), jnp.float16)
+print(f"safefactor final loss:      {safe_losses[-1]:.4f}")
+print(f"optax.adafactor final loss: {optax_losses[-1]:.4f}")
+
+plt.plot(safe_losses, label="safefactor")
+plt.plot(optax_losses, "--", label="optax.adafactor")
+plt.yscale("log")
+plt.xlabel("step")
+plt.ylabel("training loss")
+plt.title("float16 params")
+plt.legend()
+plt.show()
+
+# %% [markdown]
+# optax's curve stops at once: its loss is NaN from the second step. safefactor keeps its
+# statistics in float32, starts them at an epsilon floor and floors every rsqrt.
+
+# %% [markdown]
+# ## Skipped steps
+# A step whose gradient (or anything the optimizer computes from it) is non-finite is
+# skipped: the updates are zero, the optimizer state is untouched, and the step is counted.
+
+# %%
+params = {"w": jnp.ones((4, 3))}
+tx = osf.safefactor(learning_rate=0.1)
+state = tx.init(params)
+for value in (1.0, jnp.nan, 1.0, jnp.inf):
+    updates, state = tx.update({"w": jnp.full((4, 3), value)}, state, params)
+    params = optax.apply_updates(params, updates)
+
+print("skipped steps:", int(osf.skipped_steps(state)))
+print(osf.nonfinite_summary(state))
+print(osf.nonfinite_report(state))
+print("safefactor run above:", osf.nonfinite_summary(safe_optimizer.opt_state))
