@@ -19,7 +19,10 @@
 import sys
 
 if "google.colab" in sys.modules:  # only in Colab: install the package
-    # %pip install -q "optax-safefactor[demo]"
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "optax-safefactor[demo]"],
+                   check=True)
 
 # %%
 import pathlib

@@ -20,7 +20,10 @@
 import sys
 
 if "google.colab" in sys.modules:  # only in Colab: install the package
-    # %pip install -q "optax-safefactor[demo]"
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "optax-safefactor[demo]"],
+                   check=True)
 
 # %%
 import jax
@@ -30,7 +33,6 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
