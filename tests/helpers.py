@@ -71,3 +71,45 @@ def assert_trees_equal(actual, expected) -> None:
 def is_all_zero(x) -> bool:
   """True when every element is exactly 0 (NaN is not)."""
   return bool(np.all(np.asarray(x) == 0))
+
+
+DEAD_UNITS = 80
+
+
+def float16_dead_unit_problem(rng: np.random.Generator, batch: int = 32):
+  """A float16 MLP whose second half of hidden units is dead (bias -1e3).
+
+  The dead units' rows and bias entries get exactly zero gradients, for ever. Returns
+  ``(params, loss)``; ``loss(params, poison)`` replaces the batch by NaN when ``poison``.
+  """
+  inputs = jnp.asarray(rng.normal(size=(batch, 130)), jnp.float16)
+  targets = jnp.asarray(rng.normal(size=(batch, 8)), jnp.float16)
+  params = {
+      "hidden": jnp.asarray(rng.normal(size=(130, 160)) * 0.1, jnp.float16),
+      "bias": jnp.concatenate([jnp.zeros(160 - DEAD_UNITS), jnp.full(DEAD_UNITS, -1e3)])
+      .astype(jnp.float16),
+      "out": jnp.asarray(rng.normal(size=(160, 8)) * 0.1, jnp.float16),
+  }
+
+  def loss(params, poison=False):
+    batch_inputs = jnp.where(poison, jnp.asarray(jnp.nan, jnp.float16), inputs)
+    hidden = jax.nn.relu(batch_inputs @ params["hidden"] + params["bias"][None, :])
+    return jnp.mean((hidden @ params["out"] - targets) ** 2)
+
+  return params, loss
+
+
+def train_scanned(tx, params, loss, poison_flags):
+  """One jitted ``lax.scan`` over the steps; returns (params, state, losses, params_finite)."""
+
+  def step(carry, poison):
+    params, state = carry
+    value, grads = jax.value_and_grad(loss)(params, poison)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+    return (params, state), (value, finite)
+
+  (params, state), (losses, finite) = jax.jit(
+      lambda p, s: jax.lax.scan(step, (p, s), poison_flags))(params, tx.init(params))
+  return params, state, losses, finite

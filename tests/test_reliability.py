@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from jax.experimental import checkify
 
 import optax_safefactor as osf
-from tests.helpers import is_all_zero, tree_all_finite
+from tests.helpers import (
+    DEAD_UNITS,
+    float16_dead_unit_problem,
+    is_all_zero,
+    train_scanned,
+    tree_all_finite,
+)
 
 SHAPES = {"w": (130, 140), "b": (140,)}
 
@@ -117,40 +123,18 @@ def test_ten_thousand_float16_steps_with_dead_units_and_nan_batches():
   rng = np.random.default_rng(0)
   steps = 10_000
   poisoned = np.sort(rng.choice(steps, size=37, replace=False))
-  inputs = jnp.asarray(rng.normal(size=(32, 130)), jnp.float16)
-  targets = jnp.asarray(rng.normal(size=(32, 8)), jnp.float16)
-  params = {
-      "hidden": jnp.asarray(rng.normal(size=(130, 160)) * 0.1, jnp.float16),
-      "bias": jnp.concatenate([jnp.zeros(80), jnp.full(80, -1e3)]).astype(jnp.float16),
-      "out": jnp.asarray(rng.normal(size=(160, 8)) * 0.1, jnp.float16),
-  }
-  is_poisoned = jnp.zeros(steps, bool).at[poisoned].set(True)
-
-  def loss(params, poison):
-    batch = jnp.where(poison, jnp.asarray(jnp.nan, jnp.float16), inputs)
-    hidden = jax.nn.relu(batch @ params["hidden"] + params["bias"][None, :])
-    return jnp.mean((hidden @ params["out"] - targets) ** 2)
-
+  params, loss = float16_dead_unit_problem(rng)
+  initial_loss = float(loss(params))
   tx = osf.safefactor(1e-3, momentum=0.9)
-
-  def step(carry, poison):
-    params, state = carry
-    grads = jax.grad(loss)(params, poison)
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
-    return (params, state), finite
-
-  initial_loss = float(loss(params, False))
-  (params, state), finite = jax.jit(
-      lambda p, s: jax.lax.scan(step, (p, s), is_poisoned))(params, tx.init(params))
+  is_poisoned = jnp.zeros(steps, bool).at[poisoned].set(True)
+  params, state, _, finite = train_scanned(tx, params, loss, is_poisoned)
   assert bool(jnp.all(finite)) and tree_all_finite(state)
   report = osf.nonfinite_report(state)
   assert report["skipped_steps"] == len(poisoned) and report["steps"] == steps
   assert report["last_nonfinite_step/params['hidden']"] == int(poisoned[-1])
   assert int(state.inner_state.count) == steps - len(poisoned)
-  assert float(loss(params, False)) < 0.9 * initial_loss
-  np.testing.assert_array_equal(params["bias"][80:], np.full(80, -1e3, np.float16))
+  assert float(loss(params)) < 0.9 * initial_loss
+  np.testing.assert_array_equal(params["bias"][-DEAD_UNITS:], np.full(DEAD_UNITS, -1e3, np.float16))
 
 
 def _checked_step():
