@@ -38,6 +38,15 @@ def _train_step(state, inputs, targets):
 MODEL = Block()
 
 
+def _train(state, steps):
+  inputs, targets = _inputs()
+  losses = []
+  for _ in range(steps):
+    state, loss = _train_step(state, inputs, targets)
+    losses.append(float(loss))
+  return state, losses
+
+
 def _create(rng, tx):
   variables = MODEL.init(rng, jnp.ones((1, 256)))
   return train_state.TrainState.create(apply_fn=MODEL.apply, params=variables["params"], tx=tx)
@@ -45,12 +54,7 @@ def _create(rng, tx):
 
 def test_train_state_trains():
   tx = osf.safefactor(5e-2, momentum=0.9)
-  state = nn.meta.unbox(_create(jax.random.PRNGKey(0), tx))
-  inputs, targets = _inputs()
-  losses = []
-  for _ in range(8):
-    state, loss = _train_step(state, inputs, targets)
-    losses.append(float(loss))
+  state, losses = _train(nn.meta.unbox(_create(jax.random.PRNGKey(0), tx)), 8)
   assert losses[-1] < 0.7 * losses[0]
   assert int(osf.skipped_steps(state.opt_state)) == 0
 
@@ -79,11 +83,7 @@ def test_logical_partitioning_flow_names_the_reduced_axes_none():
     v_row = state.opt_state.inner_state.second_moment["Dense_0"]["kernel"].v_row
     assert v_row.shape == (256, 1) and v_row.sharding.spec == P("data", None)
     with nn.logical_axis_rules(RULES):
-      inputs, targets = _inputs()
-      losses = []
-      for _ in range(6):
-        state, loss = _train_step(state, inputs, targets)
-        losses.append(float(loss))
+      state, losses = _train(state, 6)
   assert losses[-1] < 0.8 * losses[0]
   new_row = state.opt_state.inner_state.second_moment["Dense_0"]["kernel"].v_row
   assert new_row.sharding.is_equivalent_to(v_row.sharding, 2)
