@@ -114,9 +114,8 @@ def plan_from_roles(
   unknown = [role for role in roles if role is not None and role not in ROLES]
   if unknown:
     raise ValueError(f"{where}: unknown factor roles {unknown}; use one of {ROLES} or None")
-  row_axes = tuple(a for a, role in enumerate(roles) if role == "row")
-  col_axes = tuple(a for a, role in enumerate(roles) if role == "column")
-  batch_axes = tuple(a for a, role in enumerate(roles) if role == "batch")
+  row_axes = _axes_with_role(roles, "row")
+  col_axes = _axes_with_role(roles, "column")
   if bool(row_axes) != bool(col_axes):
     raise ValueError(f"{where}: factor rule {roles} names rows without columns or vice versa")
   if not row_axes:
@@ -127,7 +126,11 @@ def plan_from_roles(
     if heuristic is not None:
       row_axes = (open_axes[heuristic.row_axes[0]],)
       col_axes = (open_axes[heuristic.col_axes[0]],)
-  return FactorPlan(row_axes, col_axes, batch_axes)
+  return FactorPlan(row_axes, col_axes, _axes_with_role(roles, "batch"))
+
+
+def _axes_with_role(roles: Roles, role: str) -> tuple[int, ...]:
+  return tuple(axis for axis, axis_role in enumerate(roles) if axis_role == role)
 
 
 def batch_axes_fn(
@@ -138,9 +141,7 @@ def batch_axes_fn(
 
   def batch_axes_for(path, shape):
     roles = None if factor_rules is None else factor_rules(path, tuple(shape))
-    if roles is None:
-      return ()
-    return tuple(a for a, role in enumerate(roles) if role == "batch")
+    return () if roles is None else _axes_with_role(roles, "batch")
 
   return batch_axes_for
 
@@ -183,8 +184,7 @@ def logical_factor_rules(
 
 
 def plan_from_stat_shapes(
-    shape: Sequence[int], row_stat_shape: Sequence[int], col_stat_shape: Sequence[int],
-    batch_axes: tuple[int, ...] = (),
+    shape: Sequence[int], row_stat_shape: Sequence[int], col_stat_shape: Sequence[int]
 ) -> FactorPlan:
   """Read a plan back off the shapes of ``v_row`` and ``v_col``.
 
@@ -196,4 +196,4 @@ def plan_from_stat_shapes(
   """
   col_axes = tuple(a for a, (s, r) in enumerate(zip(shape, row_stat_shape, strict=True)) if s != r)
   row_axes = tuple(a for a, (s, c) in enumerate(zip(shape, col_stat_shape, strict=True)) if s != c)
-  return FactorPlan(row_axes=row_axes, col_axes=col_axes, batch_axes=batch_axes)
+  return FactorPlan(row_axes=row_axes, col_axes=col_axes)
