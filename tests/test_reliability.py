@@ -178,3 +178,47 @@ def test_summary_line():
     _, state = tx.update({"w": jnp.full((2, 3), value), "b": jnp.ones(3)}, state, params)
   assert osf.nonfinite_summary(state) == (
       "skipped 2 of 4 steps (0 in a row); non-finite: params['w'] x2 (last at step 2)")
+
+
+def _with_stat(state, name, value):
+  """``state`` with one statistic of leaf ``w`` (or ``b``) overwritten at one place."""
+  leaf = "b" if name == "v" else "w"
+  moment = state.inner_state.second_moment[leaf]
+  stat = getattr(moment, name)
+  poisoned = moment._replace(**{name: stat.at[(0,) * stat.ndim].set(value)})
+  second_moment = {**state.inner_state.second_moment, leaf: poisoned}
+  return state._replace(inner_state=state.inner_state._replace(second_moment=second_moment))
+
+
+@pytest.mark.parametrize("clipping", [1.0, None])
+@pytest.mark.parametrize("name", ["v_row", "v_col", "v"])
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_a_nonfinite_statistic_in_the_state_is_caught(clipping, name, value):
+  # An Inf column statistic scales its column by rsqrt(Inf) = 0: the update stays
+  # finite, so only a witness of the statistic itself can see it.
+  params = {k: jnp.full(s, 0.5) for k, s in SHAPES.items()}
+  grads = {k: jnp.ones(s) for k, s in SHAPES.items()}
+  tx = osf.safefactor(0.01, clipping_threshold=clipping)
+  # After one step beta2 > 0 (at step 0 it is 0, and 0 * Inf would make NaN).
+  _, state = tx.update(grads, tx.init(params), params)
+  state = _with_stat(state, name, value)
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  assert int(osf.skipped_steps(new_state)) == 1
+  assert all(is_all_zero(u) for u in jax.tree.leaves(updates))
+  leaf = "b" if name == "v" else "w"
+  assert osf.nonfinite_report(new_state)[f"nonfinite_steps/params['{leaf}']"] == 1
+
+
+@pytest.mark.parametrize("clipping", [1.0, None])
+def test_a_column_statistic_that_overflows_is_caught(clipping):
+  # Every square is finite (2.25e36) and so is the mean of every column of 1000, but
+  # the mean along one row of 200 overflows. That row's statistic is the one outside
+  # the normaliser (v_col: axis 0, the largest, holds the column role): its factor
+  # becomes 0 and the update stays finite.
+  params = {"w": jnp.full((1000, 200), 0.5)}
+  grads = {"w": jnp.zeros((1000, 200)).at[7, :].set(1.5e18)}
+  tx = osf.safefactor(0.01, clipping_threshold=clipping)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert state.inner_state.second_moment["w"].v_col.shape == (1000, 1)
+  assert int(osf.skipped_steps(state)) == 1
+  assert tree_all_finite((updates, state))

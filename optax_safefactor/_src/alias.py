@@ -130,7 +130,10 @@ def scale_by_adafactor(
       """Everything up to momentum: the scaled update, new statistics, finiteness."""
       ct = numerics.compute_dtype(grad.dtype)
       real_ct = numerics.real_dtype(ct)
-      u, new_moment, finite = moments.scale_by_moment(grad.astype(ct), moment, beta2, eps)
+      # With clipping, the statistics' finiteness rides on the clipping RMS below.
+      u, new_moment, finite = moments.scale_by_moment(
+          grad.astype(ct), moment, beta2, eps, witness_in_scaled=clipping_threshold is not None
+      )
       # Batch axes (stacked layers, experts) are separate params: per-slice statistics.
       batch_axes = batch_axes_for(path, grad.shape)
       if clipping_threshold is not None:

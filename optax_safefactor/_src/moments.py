@@ -123,6 +123,8 @@ def scale_by_moment(
     moment: Moment,
     beta2: jax.Array,
     epsilon: jax.typing.ArrayLike,
+    *,
+    witness_in_scaled: bool = False,
 ) -> tuple[jax.Array, Moment, jax.Array]:
   """One leaf's step: update the statistics, scale the gradient by their rsqrt.
 
@@ -131,12 +133,17 @@ def scale_by_moment(
     moment: the leaf's current statistics.
     beta2: this step's decay, a scalar.
     epsilon: added to ``|grad|**2``; also the floor under every rsqrt.
+    witness_in_scaled: the caller reduces ``scaled`` anyway (the clipping RMS) and
+      checks that reduction: then a non-finite statistic makes ``scaled`` NaN
+      instead of being reduced on its own, which saves a reduction (a kernel) per
+      statistic.
 
   Returns:
     ``(scaled, new_moment, finite)``: the scaled gradient in the compute dtype, the
     new statistics in the state dtype, and a scalar bool that is True exactly when
-    the new statistics are finite. ``scaled`` is then finite too: it is at most
-    ``|grad| / sqrt(floor)`` and ``|grad|**2`` is part of the statistics.
+    the new statistics are finite (always True with ``witness_in_scaled``, where
+    ``scaled`` carries the verdict instead). ``scaled`` is then finite too: it is at
+    most ``|grad| / sqrt(floor)`` and ``|grad|**2`` is part of the statistics.
   """
   stat_dtype = numerics.real_dtype(grad.dtype)
   beta2 = beta2.astype(stat_dtype)
@@ -146,8 +153,12 @@ def scale_by_moment(
   if isinstance(moment, FullMoment):
     new_v = _blend(moment.v, grad_sq, beta2).astype(moment.v.dtype)
     # Read back what is stored, so this step uses exactly the statistics the next one sees.
-    scale = jax.lax.rsqrt(jnp.maximum(new_v.astype(stat_dtype), floor))
+    stored = new_v.astype(stat_dtype)
+    scale = jax.lax.rsqrt(jnp.maximum(stored, floor))
     new_moment = FullMoment(new_v)
+    if witness_in_scaled:
+      return grad * (scale + numerics.nan_unless_finite(stored)).astype(grad.dtype), \
+          new_moment, jnp.array(True)
     return grad * scale.astype(grad.dtype), new_moment, numerics.all_finite(new_v)
 
   plan = plan_from_stat_shapes(grad.shape, moment.v_row.shape, moment.v_col.shape)
@@ -163,8 +174,14 @@ def scale_by_moment(
   row_factor = jnp.sqrt(normaliser / row)
   col_factor = jax.lax.rsqrt(col)
   scale = jnp.minimum(row_factor * col_factor, jax.lax.rsqrt(floor))
-  finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
   new_moment = FactoredMoment(new_row, new_col)
+  if witness_in_scaled:
+    # The normaliser sums every row statistic, so it is non-finite when one of them
+    # is (all are non-negative: no cancellation); the columns poison their own factor.
+    poison = (numerics.nan_unless_finite(normaliser)
+              + numerics.nan_unless_finite(new_col.astype(stat_dtype)))
+    return grad * (scale + poison).astype(grad.dtype), new_moment, jnp.array(True)
+  finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
   return grad * scale.astype(grad.dtype), new_moment, finite
 
 
