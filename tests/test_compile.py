@@ -1,7 +1,9 @@
-"""Compiled-program structure: the guard must keep the program linear in the number of leaves."""
+"""Compiled-program structure: linear in the number of leaves, no full-size temporaries."""
 
 import jax
 import jax.numpy as jnp
+import optax
+import pytest
 
 import optax_safefactor as osf
 
@@ -19,3 +21,26 @@ def test_compiled_program_grows_linearly_with_leaves():
   # leaves, and compile time with it.
   small, large = _compiled_lines(20), _compiled_lines(60)
   assert large / small < 3.6, (small, large)
+
+
+def _temp_bytes(tx, params) -> int:
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), params).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_no_leaf_keeps_a_full_size_temporary(guard, momentum):
+  # The clipping pass reads a scaled gradient; if the final update reused it, XLA kept
+  # every leaf's scaled gradient alive at once: a whole tree of temporaries, allocated
+  # and faulted in on each step (optax.adafactor does exactly that).
+  params = {f"w{i}": jnp.ones((256, 512)) for i in range(12)}
+  param_bytes = sum(p.nbytes for p in params.values())
+  ours = _temp_bytes(osf.safefactor(1e-3, momentum=momentum, skip_nonfinite_steps=guard), params)
+  theirs = _temp_bytes(optax.adafactor(1e-3, momentum=momentum), params)
+  assert theirs > 0.5 * param_bytes  # the layout this guards against
+  assert ours < 0.1 * param_bytes, (ours, param_bytes)

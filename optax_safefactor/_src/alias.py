@@ -127,39 +127,53 @@ def scale_by_adafactor(
     decay_mask = _leaf_mask(weight_decay_mask, updates) if weight_decay_rate is not None else None
 
     def scale_leaf(path, grad, moment, param, decay_this_leaf):
-      """Everything up to momentum: the scaled update, new statistics, finiteness."""
+      """New statistics, scale factors, the update's multiplier, and finiteness."""
       ct = numerics.compute_dtype(grad.dtype)
       real_ct = numerics.real_dtype(ct)
       # With clipping, the statistics' finiteness rides on the clipping RMS below.
-      u, new_moment, finite = moments.scale_by_moment(
+      new_moment, scale, finite = moments.update_moment(
           grad.astype(ct), moment, beta2, eps, witness_in_scaled=clipping_threshold is not None
       )
       # Batch axes (stacked layers, experts) are separate params: per-slice statistics.
       batch_axes = batch_axes_for(path, grad.shape)
+      multiplier = None
       if clipping_threshold is not None:
-        mean_square = numerics.mean_abs_sq(u, batch_axes)
+        mean_square = numerics.mean_abs_sq(moments.scale_by_factors(grad.astype(ct), scale),
+                                           batch_axes)
         finite &= numerics.all_finite(mean_square)
         threshold = jnp.asarray(clipping_threshold, real_ct)
-        u = u / jnp.maximum(jnp.asarray(1, real_ct), jnp.sqrt(mean_square) / threshold).astype(ct)
+        multiplier = 1 / jnp.maximum(jnp.asarray(1, real_ct), jnp.sqrt(mean_square) / threshold)
       if lr is not None:
         lr_value = jnp.asarray(lr, real_ct)
         finite &= jnp.isfinite(lr_value)
-        u = u * lr_value.astype(ct)
+        multiplier = lr_value if multiplier is None else multiplier * lr_value
       if multiply_by_parameter_scale:
         rms = jnp.sqrt(numerics.mean_abs_sq(param.astype(ct), batch_axes))
         finite &= numerics.all_finite(rms)
         min_scale = jnp.asarray(min_parameter_scale, real_ct)
-        scale = jnp.where(rms <= min_scale, min_scale, rms)
+        param_scale = jnp.where(rms <= min_scale, min_scale, rms)
         if max_parameter_scale is not None:
-          scale = jnp.minimum(scale, jnp.asarray(max_parameter_scale, real_ct))
-        u = u * scale.astype(ct)
+          param_scale = jnp.minimum(param_scale, jnp.asarray(max_parameter_scale, real_ct))
+        multiplier = param_scale if multiplier is None else multiplier * param_scale
       elif weight_decay_rate is not None and decay_this_leaf is not False:
         finite &= numerics.all_finite(param)
-      return u, new_moment, finite
+      return (scale, multiplier), new_moment, finite
 
-    def finish_leaf(step_finite, grad, u, first_moment, param, decay_this_leaf):
-      """Momentum, weight decay and sign, with the step's verdict applied."""
-      ct = u.dtype
+    def finish_leaf(step_finite, grad, scaling, first_moment, param, decay_this_leaf):
+      """The update, scaled again from the gradient, with the step's verdict applied.
+
+      Scaling again here, from the gradient and the small factors, rather than
+      keeping the scaled gradient from the clipping pass, leaves that full-size
+      array a single reader: it lives for one reduction instead of across the
+      verdict (XLA kept every leaf's alive at once: a whole tree of temporaries,
+      allocated and faulted in on every step). The barrier keeps XLA from merging
+      the two scalings back into one.
+      """
+      scale, multiplier = scaling
+      ct = numerics.compute_dtype(grad.dtype)
+      u = moments.scale_by_factors(grad.astype(ct), moments.gate_factors(step_finite, scale))
+      if multiplier is not None:
+        u = u * multiplier.astype(ct)
       new_first_moment = None
       if momentum is not None:
         beta1 = jnp.asarray(momentum, numerics.real_dtype(ct)).astype(ct)
@@ -186,13 +200,13 @@ def scale_by_adafactor(
     scaled = jax.tree_util.tree_map_with_path(
         scale_leaf, updates, state.second_moment, params_tree, mask_tree
     )
-    scaled_updates, new_second, finite = unzip_leaf_results(updates, scaled, 3)
+    scaling, new_second, finite = unzip_leaf_results(updates, scaled, 3)
 
     def finish(step_finite):
       finished = jax.tree.map(
           partial(finish_leaf, step_finite),
           updates,
-          scaled_updates,
+          scaling,
           none_tree if momentum is None else state.momentum,
           params_tree,
           mask_tree,

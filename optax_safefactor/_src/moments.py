@@ -118,6 +118,120 @@ def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
   return beta2 * old.astype(new_mean.dtype) + (1.0 - beta2) * new_mean
 
 
+class ScaleFactors(NamedTuple):
+  """The small arrays whose product scales one leaf's gradient (never stored full-size).
+
+  Attributes:
+    factors: one array for an unfactored leaf; row- and column-shaped arrays for a
+      factored one, whose product is capped at ``cap``.
+    cap: the rsqrt of the floor, or ``None`` for an unfactored leaf.
+    poison: ``None``, or 0 where the statistics are finite and NaN where they are
+      not, added after the cap (a minimum may clamp a NaN away on some backends).
+  """
+
+  factors: tuple[jax.Array, ...]
+  cap: jax.Array | None
+  poison: jax.Array | None
+
+
+def update_moment(
+    grad: jax.Array,
+    moment: Moment,
+    beta2: jax.Array,
+    epsilon: jax.typing.ArrayLike,
+    *,
+    witness_in_scaled: bool = False,
+) -> tuple[Moment, ScaleFactors, jax.Array]:
+  """One leaf's new statistics, and the factors that scale its gradient by their rsqrt.
+
+  Args:
+    grad: the gradient, already in the compute dtype (at least float32).
+    moment: the leaf's current statistics.
+    beta2: this step's decay, a scalar.
+    epsilon: added to ``|grad|**2``; also the floor under every rsqrt.
+    witness_in_scaled: the caller reduces the scaled gradient anyway (the clipping
+      RMS) and checks that reduction: then a non-finite statistic poisons the scale
+      with NaN instead of being reduced on its own, which saves a reduction (a
+      kernel) per statistic.
+
+  Returns:
+    ``(new_moment, scale, finite)``: the new statistics in the state dtype; the
+    :class:`ScaleFactors` for :func:`scale_by_factors`; and a scalar bool, True
+    exactly when the new statistics are finite (always True with
+    ``witness_in_scaled``, where the poison carries the verdict instead). The scaled
+    gradient is then finite too: it is at most ``|grad| / sqrt(floor)``, and
+    ``|grad|**2`` is part of the statistics.
+  """
+  stat_dtype = numerics.real_dtype(grad.dtype)
+  beta2 = beta2.astype(stat_dtype)
+  floor = numerics.positive_floor(epsilon, stat_dtype)
+  eps = jnp.asarray(epsilon, stat_dtype)
+
+  if isinstance(moment, FullMoment):
+    new_v = _blend(moment.v, numerics.abs_sq(grad) + eps, beta2).astype(moment.v.dtype)
+    # Read back what is stored, so this step uses exactly the statistics the next one sees.
+    stored = new_v.astype(stat_dtype)
+    factor = jax.lax.rsqrt(jnp.maximum(stored, floor))
+    if witness_in_scaled:
+      scale = ScaleFactors((factor,), None, numerics.nan_unless_finite(stored))
+      return FullMoment(new_v), scale, jnp.array(True)
+    return FullMoment(new_v), ScaleFactors((factor,), None, None), numerics.all_finite(new_v)
+
+  plan = plan_from_stat_shapes(grad.shape, moment.v_row.shape, moment.v_col.shape)
+  # Each reduction gets its own view of the gradient: a square shared by the two
+  # would be written to a full-size temporary and read back twice, where separate
+  # ones fuse into their reductions, which then read the gradient itself.
+  grad_for_rows, grad_for_cols = jax.lax.optimization_barrier((grad, grad))
+  row_mean = jnp.mean(numerics.abs_sq(grad_for_rows), plan.col_axes, keepdims=True) + eps
+  col_mean = jnp.mean(numerics.abs_sq(grad_for_cols), plan.row_axes, keepdims=True) + eps
+  new_row = _blend(moment.v_row, row_mean, beta2).astype(moment.v_row.dtype)
+  new_col = _blend(moment.v_col, col_mean, beta2).astype(moment.v_col.dtype)
+  row = jnp.maximum(new_row.astype(stat_dtype), floor)
+  col = jnp.maximum(new_col.astype(stat_dtype), floor)
+  normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
+  # rsqrt(v_row * v_col / mean(v_row)), from row- and column-sized factors; the cap is
+  # the rsqrt of the floor, reached only where the factored estimate underflows.
+  factors = (jnp.sqrt(normaliser / row), jax.lax.rsqrt(col))
+  cap = jax.lax.rsqrt(floor)
+  new_moment = FactoredMoment(new_row, new_col)
+  if witness_in_scaled:
+    # The normaliser sums every row statistic, so it is non-finite when one of them
+    # is (all are non-negative: no cancellation); the columns poison their own factor.
+    poison = (numerics.nan_unless_finite(normaliser)
+              + numerics.nan_unless_finite(new_col.astype(stat_dtype)))
+    return new_moment, ScaleFactors(factors, cap, poison), jnp.array(True)
+  finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
+  return new_moment, ScaleFactors(factors, cap, None), finite
+
+
+def scale_by_factors(grad: jax.Array, scale: ScaleFactors) -> jax.Array:
+  """``grad`` times the product of the factors (capped), plus the poison."""
+  product = scale.factors[0]
+  for factor in scale.factors[1:]:
+    product = product * factor
+  if scale.cap is not None:
+    product = jnp.minimum(product, scale.cap)
+  if scale.poison is not None:
+    product = product + scale.poison
+  return grad * product.astype(grad.dtype)
+
+
+def gate_factors(step_finite: jax.Array | None, scale: ScaleFactors) -> ScaleFactors:
+  """The factors, zeroed when the step is skipped (small arrays only).
+
+  Without a verdict they pass through an optimization barrier instead, so either
+  way they are new values: XLA cannot merge a scaling by them with one by the
+  original factors.
+  """
+  if step_finite is None:
+    return jax.lax.optimization_barrier(scale)
+  return ScaleFactors(
+      tuple(jnp.where(step_finite, f, jnp.zeros((), f.dtype)) for f in scale.factors),
+      scale.cap,
+      None if scale.poison is None else jnp.where(step_finite, scale.poison, 0),
+  )
+
+
 def scale_by_moment(
     grad: jax.Array,
     moment: Moment,
@@ -126,63 +240,15 @@ def scale_by_moment(
     *,
     witness_in_scaled: bool = False,
 ) -> tuple[jax.Array, Moment, jax.Array]:
-  """One leaf's step: update the statistics, scale the gradient by their rsqrt.
-
-  Args:
-    grad: the gradient, already in the compute dtype (at least float32).
-    moment: the leaf's current statistics.
-    beta2: this step's decay, a scalar.
-    epsilon: added to ``|grad|**2``; also the floor under every rsqrt.
-    witness_in_scaled: the caller reduces ``scaled`` anyway (the clipping RMS) and
-      checks that reduction: then a non-finite statistic makes ``scaled`` NaN
-      instead of being reduced on its own, which saves a reduction (a kernel) per
-      statistic.
+  """One leaf's step: :func:`update_moment`, then :func:`scale_by_factors`.
 
   Returns:
-    ``(scaled, new_moment, finite)``: the scaled gradient in the compute dtype, the
-    new statistics in the state dtype, and a scalar bool that is True exactly when
-    the new statistics are finite (always True with ``witness_in_scaled``, where
-    ``scaled`` carries the verdict instead). ``scaled`` is then finite too: it is at
-    most ``|grad| / sqrt(floor)`` and ``|grad|**2`` is part of the statistics.
+    ``(scaled, new_moment, finite)``, as :func:`update_moment` describes.
   """
-  stat_dtype = numerics.real_dtype(grad.dtype)
-  beta2 = beta2.astype(stat_dtype)
-  floor = numerics.positive_floor(epsilon, stat_dtype)
-  grad_sq = numerics.abs_sq(grad) + jnp.asarray(epsilon, stat_dtype)
-
-  if isinstance(moment, FullMoment):
-    new_v = _blend(moment.v, grad_sq, beta2).astype(moment.v.dtype)
-    # Read back what is stored, so this step uses exactly the statistics the next one sees.
-    stored = new_v.astype(stat_dtype)
-    scale = jax.lax.rsqrt(jnp.maximum(stored, floor))
-    new_moment = FullMoment(new_v)
-    if witness_in_scaled:
-      return grad * (scale + numerics.nan_unless_finite(stored)).astype(grad.dtype), \
-          new_moment, jnp.array(True)
-    return grad * scale.astype(grad.dtype), new_moment, numerics.all_finite(new_v)
-
-  plan = plan_from_stat_shapes(grad.shape, moment.v_row.shape, moment.v_col.shape)
-  new_row = _blend(moment.v_row, jnp.mean(grad_sq, plan.col_axes, keepdims=True), beta2)
-  new_col = _blend(moment.v_col, jnp.mean(grad_sq, plan.row_axes, keepdims=True), beta2)
-  new_row = new_row.astype(moment.v_row.dtype)
-  new_col = new_col.astype(moment.v_col.dtype)
-  row = jnp.maximum(new_row.astype(stat_dtype), floor)
-  col = jnp.maximum(new_col.astype(stat_dtype), floor)
-  normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
-  # rsqrt(v_row * v_col / mean(v_row)), from row- and column-sized factors; the cap is
-  # the rsqrt of the floor, reached only where the factored estimate underflows.
-  row_factor = jnp.sqrt(normaliser / row)
-  col_factor = jax.lax.rsqrt(col)
-  scale = jnp.minimum(row_factor * col_factor, jax.lax.rsqrt(floor))
-  new_moment = FactoredMoment(new_row, new_col)
-  if witness_in_scaled:
-    # The normaliser sums every row statistic, so it is non-finite when one of them
-    # is (all are non-negative: no cancellation); the columns poison their own factor.
-    poison = (numerics.nan_unless_finite(normaliser)
-              + numerics.nan_unless_finite(new_col.astype(stat_dtype)))
-    return grad * (scale + poison).astype(grad.dtype), new_moment, jnp.array(True)
-  finite = numerics.all_finite(new_row) & numerics.all_finite(new_col)
-  return grad * scale.astype(grad.dtype), new_moment, finite
+  new_moment, scale, finite = update_moment(
+      grad, moment, beta2, epsilon, witness_in_scaled=witness_in_scaled
+  )
+  return scale_by_factors(grad, scale), new_moment, finite
 
 
 def keep_moments_unless_skipped(step_finite, new_moments: Any, old_moments: Any) -> Any:
