@@ -34,13 +34,18 @@ def _temp_bytes(tx, params) -> int:
 
 @pytest.mark.parametrize("guard", [True, False])
 @pytest.mark.parametrize("momentum", [None, 0.9])
-def test_no_leaf_keeps_a_full_size_temporary(guard, momentum):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_no_leaf_keeps_a_full_size_temporary(guard, momentum, dtype):
   # The clipping pass reads a scaled gradient; if the final update reused it, XLA kept
   # every leaf's scaled gradient alive at once: a whole tree of temporaries, allocated
   # and faulted in on each step (optax.adafactor does exactly that).
-  params = {f"w{i}": jnp.ones((256, 512)) for i in range(12)}
+  # (bfloat16: the float32 upcasts of the gradient and the param must not be shared.)
+  params = {f"w{i}": jnp.ones((256, 512), dtype) for i in range(12)}
   param_bytes = sum(p.nbytes for p in params.values())
+  float32_bytes = sum(4 * p.size for p in params.values())  # what a float32 temporary takes
   ours = _temp_bytes(osf.safefactor(1e-3, momentum=momentum, skip_nonfinite_steps=guard), params)
-  theirs = _temp_bytes(optax.adafactor(1e-3, momentum=momentum), params)
+  with jax.numpy_dtype_promotion("standard"):  # optax mixes float32 and bfloat16
+    theirs = _temp_bytes(optax.adafactor(1e-3, momentum=momentum), params)
   assert theirs > 0.5 * param_bytes  # the layout this guards against
-  assert ours < 0.1 * param_bytes, (ours, param_bytes)
+  # One leaf's float32 scaled gradient lives for its clipping reduction, never more.
+  assert ours < 0.25 * float32_bytes, (ours, float32_bytes)

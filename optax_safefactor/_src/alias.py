@@ -132,13 +132,16 @@ def scale_by_adafactor(
       real_ct = numerics.real_dtype(ct)
       # With clipping, the statistics' finiteness rides on the clipping RMS below.
       new_moment, scale, finite = moments.update_moment(
-          grad.astype(ct), moment, beta2, eps, witness_in_scaled=clipping_threshold is not None
+          grad, moment, beta2, eps, witness_in_scaled=clipping_threshold is not None
       )
       # Batch axes (stacked layers, experts) are separate params: per-slice statistics.
       batch_axes = batch_axes_for(path, grad.shape)
       multiplier = None
       if clipping_threshold is not None:
-        mean_square = numerics.mean_abs_sq(moments.scale_by_factors(grad.astype(ct), scale),
+        # Its own view of the gradient, so that the upcast is not shared with the final
+        # pass (a shared one is a full-size float32 temporary that outlives the verdict).
+        grad_for_clipping = jax.lax.optimization_barrier(grad).astype(ct)
+        mean_square = numerics.mean_abs_sq(moments.scale_by_factors(grad_for_clipping, scale),
                                            batch_axes)
         finite &= numerics.all_finite(mean_square)
         threshold = jnp.asarray(clipping_threshold, real_ct)
@@ -148,7 +151,10 @@ def scale_by_adafactor(
         finite &= jnp.isfinite(lr_value)
         multiplier = lr_value if multiplier is None else multiplier * lr_value
       if multiply_by_parameter_scale:
-        rms = jnp.sqrt(numerics.mean_abs_sq(param.astype(ct), batch_axes))
+        # Behind a barrier XLA fuses the upcast into the reduction; without one it wrote
+        # every narrow param's float32 copy to a temporary, all alive at once.
+        param_for_scale = jax.lax.optimization_barrier(param)
+        rms = jnp.sqrt(numerics.mean_abs_sq(param_for_scale.astype(ct), batch_axes))
         finite &= numerics.all_finite(rms)
         min_scale = jnp.asarray(min_parameter_scale, real_ct)
         param_scale = jnp.where(rms <= min_scale, min_scale, rms)

@@ -145,7 +145,7 @@ def update_moment(
   """One leaf's new statistics, and the factors that scale its gradient by their rsqrt.
 
   Args:
-    grad: the gradient, already in the compute dtype (at least float32).
+    grad: the gradient, in its own dtype (it is upcast to the compute dtype here).
     moment: the leaf's current statistics.
     beta2: this step's decay, a scalar.
     epsilon: added to ``|grad|**2``; also the floor under every rsqrt.
@@ -162,13 +162,14 @@ def update_moment(
     gradient is then finite too: it is at most ``|grad| / sqrt(floor)``, and
     ``|grad|**2`` is part of the statistics.
   """
-  stat_dtype = numerics.real_dtype(grad.dtype)
+  ct = numerics.compute_dtype(grad.dtype)
+  stat_dtype = numerics.real_dtype(ct)
   beta2 = beta2.astype(stat_dtype)
   floor = numerics.positive_floor(epsilon, stat_dtype)
   eps = jnp.asarray(epsilon, stat_dtype)
 
   if isinstance(moment, FullMoment):
-    new_v = _blend(moment.v, numerics.abs_sq(grad) + eps, beta2).astype(moment.v.dtype)
+    new_v = _blend(moment.v, numerics.abs_sq(grad.astype(ct)) + eps, beta2).astype(moment.v.dtype)
     # Read back what is stored, so this step uses exactly the statistics the next one sees.
     stored = new_v.astype(stat_dtype)
     factor = jax.lax.rsqrt(jnp.maximum(stored, floor))
@@ -181,9 +182,12 @@ def update_moment(
   # Each reduction gets its own view of the gradient: a square shared by the two
   # would be written to a full-size temporary and read back twice, where separate
   # ones fuse into their reductions, which then read the gradient itself.
+  # (It is taken before the upcast, which would otherwise be shared the same way.)
   grad_for_rows, grad_for_cols = jax.lax.optimization_barrier((grad, grad))
-  row_mean = jnp.mean(numerics.abs_sq(grad_for_rows), plan.col_axes, keepdims=True) + eps
-  col_mean = jnp.mean(numerics.abs_sq(grad_for_cols), plan.row_axes, keepdims=True) + eps
+  row_mean = jnp.mean(numerics.abs_sq(grad_for_rows.astype(ct)), plan.col_axes,
+                      keepdims=True) + eps
+  col_mean = jnp.mean(numerics.abs_sq(grad_for_cols.astype(ct)), plan.row_axes,
+                      keepdims=True) + eps
   new_row = _blend(moment.v_row, row_mean, beta2).astype(moment.v_row.dtype)
   new_col = _blend(moment.v_col, col_mean, beta2).astype(moment.v_col.dtype)
   row = jnp.maximum(new_row.astype(stat_dtype), floor)
