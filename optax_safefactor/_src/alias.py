@@ -172,8 +172,8 @@ def scale_by_adafactor(
       keeping the scaled gradient from the clipping pass, leaves that full-size
       array a single reader: it lives for one reduction instead of across the
       verdict (XLA kept every leaf's alive at once: a whole tree of temporaries,
-      allocated and faulted in on every step). The barrier keeps XLA from merging
-      the two scalings back into one.
+      allocated and faulted in on every step). ``gate_factors`` makes the factors new
+      values, so XLA cannot merge the two scalings back into one.
       """
       scale, multiplier = scaling
       ct = numerics.compute_dtype(grad.dtype)

@@ -241,17 +241,13 @@ def scale_by_moment(
     moment: Moment,
     beta2: jax.Array,
     epsilon: jax.typing.ArrayLike,
-    *,
-    witness_in_scaled: bool = False,
 ) -> tuple[jax.Array, Moment, jax.Array]:
   """One leaf's step: :func:`update_moment`, then :func:`scale_by_factors`.
 
   Returns:
     ``(scaled, new_moment, finite)``, as :func:`update_moment` describes.
   """
-  new_moment, scale, finite = update_moment(
-      grad, moment, beta2, epsilon, witness_in_scaled=witness_in_scaled
-  )
+  new_moment, scale, finite = update_moment(grad, moment, beta2, epsilon)
   return scale_by_factors(grad, scale), new_moment, finite
 
 
