@@ -1,36 +1,36 @@
 """optax_safefactor: a numerically safe Adafactor for optax, JAX and Flax."""
 
-from optax_safefactor._src.alias import SafefactorState as SafefactorState
+from optax_safefactor._src.accumulate import AccumulationState as AccumulationState
+from optax_safefactor._src.accumulate import accumulate_gradients as accumulate_gradients
 from optax_safefactor._src.alias import safefactor as safefactor
-from optax_safefactor._src.base import WitnessedTransformation as WitnessedTransformation
+from optax_safefactor._src.alias import scale_by_safe_factored_rms as scale_by_safe_factored_rms
 from optax_safefactor._src.guard import NonFiniteStepsError as NonFiniteStepsError
 from optax_safefactor._src.guard import SkipNonfiniteState as SkipNonfiniteState
+from optax_safefactor._src.guard import check_nonfinite_steps as check_nonfinite_steps
 from optax_safefactor._src.guard import nonfinite_report as nonfinite_report
 from optax_safefactor._src.guard import nonfinite_summary as nonfinite_summary
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
 from optax_safefactor._src.guard import skipped_steps as skipped_steps
+from optax_safefactor._src.kernel import FactoredMoment as FactoredMoment
+from optax_safefactor._src.kernel import FullMoment as FullMoment
 from optax_safefactor._src.migrate import migrate_from_optax as migrate_from_optax
-from optax_safefactor._src.moments import FactoredMoment as FactoredMoment
-from optax_safefactor._src.moments import FullMoment as FullMoment
-from optax_safefactor._src.moments import SafeFactoredState as SafeFactoredState
-from optax_safefactor._src.moments import scale_by_safe_factored_rms as scale_by_safe_factored_rms
+from optax_safefactor._src.placement import state_partition_specs as state_partition_specs
 from optax_safefactor._src.plan import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
-from optax_safefactor._src.plan import FactorPlan as FactorPlan
 from optax_safefactor._src.plan import logical_factor_rules as logical_factor_rules
-from optax_safefactor._src.sharding import state_partition_specs as state_partition_specs
+from optax_safefactor._src.transform import AdafactorState as AdafactorState
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "DEFAULT_LOGICAL_RULES",
-    "FactorPlan",
+    "AccumulationState",
+    "AdafactorState",
     "FactoredMoment",
     "FullMoment",
     "NonFiniteStepsError",
-    "SafeFactoredState",
-    "SafefactorState",
     "SkipNonfiniteState",
-    "WitnessedTransformation",
+    "accumulate_gradients",
+    "check_nonfinite_steps",
     "logical_factor_rules",
     "migrate_from_optax",
     "nonfinite_report",

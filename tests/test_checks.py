@@ -82,3 +82,41 @@ def test_traced_min_dim_size_in_init_has_a_clear_error():
   tx = optax.inject_hyperparams(osf.safefactor)(learning_rate=0.1)
   with pytest.raises(TypeError, match="static_args"):
     jax.jit(tx.init)(_params())
+
+
+@pytest.mark.parametrize("mistake,error,message", [
+    ("optax_state", TypeError, r"optax.adafactor state: convert it with osf.migrate_from_optax"),
+    ("swapped", TypeError, r"optimizer state as its first argument"),
+    ("restored_without_target", TypeError, r"restored without a target"),
+])
+def test_wrong_state_is_named(mistake, error, message):
+  # 0.1 answered each of these with "AttributeError: 'tuple' object has no attribute
+  # 'inner_state'".
+  params = _params()
+  tx = osf.safefactor(0.1)
+  state = tx.init(params)
+  args = {
+      "optax_state": (params, optax.adafactor(0.1).init(params), params),
+      "swapped": (state, params, params),
+      "restored_without_target": (params, list(state), params),
+  }[mistake]
+  with pytest.raises(error, match=message):
+    tx.update(*args)
+
+
+def test_learning_rate_given_as_a_string_is_named():
+  # What a YAML config hands over; 0.1 failed deep inside with a format error.
+  with pytest.raises(TypeError, match=r"learning_rate .* string '1e-3'.*float\('1e-3'\)"):
+    osf.safefactor("1e-3")
+
+
+def test_python_float_leaf_is_named():
+  with pytest.raises(TypeError, match=r"params\['scale'\]: param is a float"):
+    osf.safefactor(0.1).init({"w": jnp.ones(3), "scale": 1.0})
+
+
+def test_migrating_a_state_restored_without_target_says_what_to_do():
+  params = {"w": jnp.ones((256, 128))}
+  restored = [list(x) if isinstance(x, tuple) else x for x in optax.adafactor(0.1).init(params)]
+  with pytest.raises(ValueError, match=r"restored without a target.*jax.eval_shape"):
+    osf.migrate_from_optax(restored, osf.safefactor(0.1), params)

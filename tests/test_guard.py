@@ -40,6 +40,8 @@ def test_consecutive_counter():
 
 
 def test_max_consecutive_raises_with_leaf_names():
+  # Under jax.jit the error is raised on the host through a callback, and JAX delivers
+  # it wrapped in JaxRuntimeError, whose message carries the original.
   params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
   tx = osf.safefactor(0.1, max_consecutive_skips=2)
   state = tx.init(params)
@@ -48,9 +50,55 @@ def test_max_consecutive_raises_with_leaf_names():
   _, state = update(grads(0), state, params)
   _, state = update(grads(1), state, params)
   jax.block_until_ready(state)
-  with pytest.raises(Exception, match=r"2 consecutive optimizer steps.*params\['a'\]"):
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"NonFiniteStepsError.*2 consecutive optimizer steps.*params\['a'\]"):
     _, state = update(grads(2), state, params)
     jax.block_until_ready(state)
+
+
+def test_max_consecutive_raises_its_own_type_eagerly():
+  # 0.1 raised it from a host callback even eagerly, so it arrived as JaxRuntimeError
+  # and ``except osf.NonFiniteStepsError`` never caught it.
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  grads = _nan_at({1, 2})
+  for tx in (osf.safefactor(0.1, max_consecutive_skips=2),
+             osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=2)):
+    state = tx.init(params)
+    _, state = tx.update(grads(0), state, params)
+    _, state = tx.update(grads(1), state, params)
+    with pytest.raises(osf.NonFiniteStepsError) as caught:
+      tx.update(grads(2), state, params)
+    assert type(caught.value) is osf.NonFiniteStepsError
+    assert "params['a']" in str(caught.value) and "params['b']" not in str(caught.value)
+
+
+def test_host_side_check_raises_its_own_type_between_jitted_steps():
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  tx = osf.safefactor(0.1)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  grads = _nan_at({1, 2})
+  for step in range(3):
+    _, state = update(grads(step), state, params)
+    if step < 2:
+      osf.check_nonfinite_steps(state, max_consecutive=2)
+  with pytest.raises(osf.NonFiniteStepsError, match=r"at step 2 .*params\['a'\]"):
+    osf.check_nonfinite_steps(state, max_consecutive=2)
+
+
+def test_reports_agree_over_several_guards():
+  # 0.1's summary re-parsed the report's keys and ignored every guard but the first:
+  # after one step of this chain it said "no non-finite steps" while skipped_steps was 1.
+  params = {"a": jnp.ones((3,))}
+  tx = optax.chain(osf.skip_nonfinite(optax.identity()),
+                   osf.skip_nonfinite(optax.scale(1e39)))
+  _, state = tx.update(params, tx.init(params), params)
+  report = osf.nonfinite_report(state)
+  assert int(osf.skipped_steps(state)) == 1 == report["total_skipped_steps"]
+  assert report["skipped_steps"] == 0 and report["guard1/skipped_steps"] == 1
+  summary = osf.nonfinite_summary(state)
+  assert summary.startswith("1 skipped in total;"), summary
+  assert "guard1: skipped 1 of 1 steps" in summary and "params['a'] x1" in summary
 
 
 def test_max_consecutive_must_be_positive():

@@ -42,14 +42,86 @@ def check_same_structure(grads: Any, reference: Any, reference_name: str) -> Non
   raise ValueError(f"grads do not match {reference_name}: " + "; ".join(details))
 
 
-def check_inexact_leaf(path: KeyPath, leaf: Any, what: str = "param") -> None:
-  """Refuse integer and bool leaves: they have no gradient to scale."""
-  dtype = jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
-  if not jnp.issubdtype(dtype, jnp.inexact):
+def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param") -> None:
+  """A leaf must be a floating or complex array: no Python numbers, no integers or bools."""
+  if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
     raise TypeError(
-        f"{path_name(path)}: {what} dtype {dtype} is not floating or complex; "
+        f"{path_name(path)}: {what} is a {type(leaf).__name__} ({leaf!r}), not an array; "
+        "make it one with jnp.asarray (a Python number has no dtype or shape to keep "
+        "statistics for)"
+    )
+  if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+    raise TypeError(
+        f"{path_name(path)}: {what} dtype {leaf.dtype} is not floating or complex; "
         "exclude it with optax.masked or optax.multi_transform"
     )
+
+
+def check_state_type(state: Any, expected: type, grads: Any) -> None:
+  """``update`` must get the state this transformation's ``init`` made.
+
+  The usual mistakes are an ``optax.adafactor`` state (to be converted with
+  ``migrate_from_optax``), arguments in the wrong order, and a checkpoint restored
+  without a target (plain lists and dicts).
+  """
+  if isinstance(state, expected):
+    return
+  if isinstance(grads, expected):
+    raise TypeError(
+        "update got the optimizer state as its first argument; call "
+        "update(grads, opt_state, params)"
+    )
+  kind = type(state).__name__
+  hint = ""
+  if _holds_optax_factored_state(state):
+    hint = ("; it looks like an optax.adafactor state: convert it with "
+            "osf.migrate_from_optax(optax_state, optimizer, params)")
+  elif isinstance(state, (list, dict)):
+    hint = ("; a checkpoint restored without a target gives plain lists and dicts: "
+            "restore with the state of optimizer.init(params) (or "
+            "jax.eval_shape(optimizer.init, params)) as the target")
+  raise TypeError(f"update expected a {expected.__name__} from this optimizer's init, "
+                  f"got a {kind}{hint}")
+
+
+def _holds_optax_factored_state(state: Any) -> bool:
+  import optax
+
+  def is_factored(x):
+    return isinstance(x, optax.FactoredState)
+
+  return any(is_factored(x) for x in jax.tree.leaves(state, is_leaf=is_factored))
+
+
+def check_update_inputs(grads: Any, params: Any | None) -> None:
+  """Static checks of ``update``'s grads (and params), naming the parameter path."""
+  jax.tree_util.tree_map_with_path(lambda path, g: check_param_leaf(path, g, "grad"), grads)
+  if params is not None:
+    check_same_structure(grads, params, "params")
+    jax.tree_util.tree_map_with_path(check_grad_matches_param, grads, params)
+
+
+def check_state_fits_plans(grads: Any, second_moment: Any, plans: Any) -> None:
+  """Each leaf's statistics must have the shapes its plan gives (keepdims).
+
+  The state's shapes record the plan ``init`` used; a mismatch means the state was
+  made for other params or with other factoring settings.
+  """
+  def check_leaf(path, grad, moment, plan):
+    if plan.factored:
+      expected = {"v_row": plan.row_stat_shape(grad.shape),
+                  "v_col": plan.col_stat_shape(grad.shape)}
+    else:
+      expected = {"v": tuple(grad.shape)}
+    found = {name: tuple(stat.shape) for name, stat in moment._asdict().items()}
+    if found != expected:
+      raise ValueError(
+          f"{path_name(path)}: optimizer state {found} does not fit grad shape "
+          f"{tuple(grad.shape)} (expected {expected}); was the state made for other "
+          "parameters, or with other factored / min_dim_size_to_factor / factor_rules?"
+      )
+
+  jax.tree_util.tree_map_with_path(check_leaf, grads, second_moment, plans)
 
 
 def check_grad_matches_param(path: KeyPath, grad: Any, param: Any) -> None:
@@ -63,31 +135,3 @@ def check_grad_matches_param(path: KeyPath, grad: Any, param: Any) -> None:
         f"{path_name(path)}: grad dtype {grad.dtype} != param dtype {param.dtype}; "
         "cast the gradients to the parameters' dtype"
     )
-
-
-def check_stat_fits(path: KeyPath, name: str, stat: Any, grad: Any) -> None:
-  """A statistic must have the grad's rank, with each axis equal to the grad's or 1."""
-  fits = len(stat.shape) == len(grad.shape) and all(
-      s in (g, 1) for s, g in zip(stat.shape, grad.shape, strict=True)
-  )
-  if not fits:
-    raise ValueError(
-        f"{path_name(path)}: optimizer state {name} shape {tuple(stat.shape)} does not fit "
-        f"grad shape {tuple(grad.shape)}; was the state made for other parameters?"
-    )
-
-
-def check_hyperparameter(name: str, value: Any, is_valid, requirement: str) -> None:
-  """Reject a concrete hyperparameter that fails ``is_valid``; tracers and schedules pass.
-
-  Under ``optax.inject_hyperparams`` numbers arrive as arrays, concrete in ``init``
-  and traced in ``update``; only concrete ones can be judged here.
-  """
-  if value is None or callable(value) or isinstance(value, jax.core.Tracer):
-    return
-  try:
-    number = float(jnp.asarray(value))
-  except TypeError:
-    return
-  if not is_valid(number):
-    raise ValueError(f"{name} must be {requirement}, got {value!r}")

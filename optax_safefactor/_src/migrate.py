@@ -9,16 +9,14 @@ import jax.numpy as jnp
 import optax
 
 from optax_safefactor._src import checks
-from optax_safefactor._src.alias import SafefactorState
-from optax_safefactor._src.moments import FactoredMoment, FullMoment, SafeFactoredState
+from optax_safefactor._src.kernel import FactoredMoment, FullMoment, is_moment
 from optax_safefactor._src.plan import plan_from_stat_shapes
+from optax_safefactor._src.transform import AdafactorState
+from optax_safefactor._src.trees import find_all
 
 
 def _find(tree: Any, kind: type) -> Any | None:
-  def is_kind(x):
-    return isinstance(x, kind)
-
-  found = [x for x in jax.tree.leaves(tree, is_leaf=is_kind) if is_kind(x)]
+  found = find_all(tree, kind)
   return found[0] if found else None
 
 
@@ -88,7 +86,12 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
   """
   factored_state = _find(optax_state, optax.FactoredState)
   if factored_state is None:
-    raise ValueError("no optax FactoredState found in optax_state")
+    raise ValueError(
+        "no optax FactoredState found in optax_state. A checkpoint restored without a "
+        "target holds plain lists and dicts, not optax's state classes: restore it with "
+        "a target, e.g. target = jax.eval_shape(optax.adafactor(lr).init, params) "
+        "(the optimizer the checkpoint was written with), then migrate the result"
+    )
   ema_state = _find(optax_state, optax.EmaState)
   target = optimizer.init(params)
 
@@ -96,23 +99,24 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
     return jax.tree_util.tree_map_with_path(
         _convert_moment, second_moment, factored_state.v_row, factored_state.v_col,
         factored_state.v, params,
-        is_leaf=lambda x: isinstance(x, (FactoredMoment, FullMoment)),
+        is_leaf=is_moment,
     )
 
+  def is_adafactor_state(x):
+    return isinstance(x, AdafactorState)
+
   def convert(node):
-    if not isinstance(node, (SafefactorState, SafeFactoredState)):
+    if not is_adafactor_state(node):
       return node  # skip counters and other wrappers' state start fresh
     count = _placed_like(factored_state.count, node.count)
-    if isinstance(node, SafeFactoredState):
-      return SafeFactoredState(count, convert_moments(node.second_moment))
-    if (node.momentum is None) != (ema_state is None):
+    if node.momentum is not None and ema_state is None:
       raise ValueError("momentum must be on in both optimizers or off in both")
     momentum = node.momentum
     if ema_state is not None:
+      if node.momentum is None:
+        raise ValueError("momentum must be on in both optimizers or off in both")
       momentum = jax.tree.map(_placed_like, ema_state.ema, node.momentum)
-    return SafefactorState(count, convert_moments(node.second_moment), momentum)
+    return AdafactorState(count, convert_moments(node.second_moment), momentum)
 
-  return jax.tree.map(
-      convert, target, is_leaf=lambda x: isinstance(x, (SafefactorState, SafeFactoredState))
-  )
+  return jax.tree.map(convert, target, is_leaf=is_adafactor_state)
 

@@ -117,19 +117,6 @@ def all_finite(x: jax.Array) -> jax.Array:
   return jnp.all(jnp.isfinite(x))
 
 
-def nan_unless_finite(x: jax.Array) -> jax.Array:
-  """0 where ``x`` is finite, NaN where it is not: ``x - x``, elementwise.
-
-  Added to a factor that feeds a checked reduction, it carries a non-finite
-  statistic into that reduction at the cost of one subtraction in a fusion that
-  runs anyway (XLA does not fold ``x - x`` for floats: it is NaN for Inf and NaN).
-
-  >>> nan_unless_finite(jnp.array([2.0, jnp.inf, jnp.nan])).tolist()
-  [0.0, nan, nan]
-  """
-  return x - x
-
-
 def is_concrete(x: Any) -> bool:
   """Whether ``x`` has a value now (not a tracer), so it can be validated eagerly."""
   return not isinstance(x, jax.core.Tracer)

@@ -1,15 +1,19 @@
-"""Which axes of a parameter the second moment is factored over.
+"""Which axes of a parameter are rows, columns or batch: decided once per leaf.
 
-A plan names the *row* axes and the *column* axes of a parameter; every other axis
-keeps its size in both statistics (a batch axis). The plan is decided once, in
-``init``, and is then written into the shapes of the state: ``v_row`` has the
-parameter's shape with the column axes set to 1, ``v_col`` has it with the row
-axes set to 1. ``update`` reads the plan back off those shapes, so no axis index
-is ever recomputed or shifted.
+A plan names the *row* axes and the *column* axes of a parameter, and its *batch*
+axes (stacked layers, experts: separate slices). :class:`Planner` builds it from
+``(path, shape)`` once per leaf, from the user's factor rules or the heuristic, and
+both ``init`` and ``update`` use that plan. The plan is also written into the state's
+shapes (``v_row`` has the parameter's shape with the column axes set to 1, ``v_col``
+with the row axes set to 1), which serves as a consistency check and lets migration
+read a plan back; a shape cannot tell a batch axis from an axis with no role, which
+is why ``update`` asks the planner rather than the state.
 """
 
 from __future__ import annotations
 
+import math
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -19,10 +23,11 @@ import numpy as np
 ROLES = ("row", "column", "batch", "none")
 
 #: Logical axis names that hold separate layers or experts: factored per slice.
-DEFAULT_LOGICAL_RULES: Mapping[str, str] = {
+#: Read-only: copy it into a dict of your own to extend it.
+DEFAULT_LOGICAL_RULES: Mapping[str, str] = types.MappingProxyType({
     "layers": "batch", "layer": "batch", "stack": "batch", "stage": "batch",
     "expert": "batch", "experts": "batch",
-}
+})
 
 Roles = Sequence[str | None]
 FactorRulesFn = Callable[[Any, tuple[int, ...]], "Roles | None"]
@@ -133,17 +138,66 @@ def _axes_with_role(roles: Roles, role: str) -> tuple[int, ...]:
   return tuple(axis for axis, axis_role in enumerate(roles) if axis_role == role)
 
 
-def batch_axes_fn(
-    factor_rules: FactorRulesFn | None,
-) -> Callable[[Any, tuple[int, ...]], tuple[int, ...]]:
-  """``(path, shape) -> batch axes`` from the rules: the only part of a plan that the
-  state's shapes cannot show (a batch axis keeps its size, like an axis with no role)."""
+class Planner:
+  """The plan of every leaf, built once per ``(path, shape)`` and then reused.
 
-  def batch_axes_for(path, shape):
-    roles = None if factor_rules is None else factor_rules(path, tuple(shape))
-    return () if roles is None else _axes_with_role(roles, "batch")
+  ``init`` and every trace of ``update`` ask the same planner, so the user's factor
+  rules run once per leaf, and the two can never disagree.
 
-  return batch_axes_for
+  >>> planner = Planner(factored=True, min_dim_size_to_factor=128, factor_rules=None)
+  >>> planner((jax.tree_util.DictKey("w"),), (300, 200))
+  FactorPlan(row_axes=(1,), col_axes=(0,), batch_axes=())
+  >>> planner((jax.tree_util.DictKey("b"),), (200,)).factored
+  False
+  """
+
+  def __init__(self, factored: bool, min_dim_size_to_factor: Any,
+               factor_rules: FactorRulesFn | None):
+    self._factored = factored
+    self._min_dim_size_to_factor = min_dim_size_to_factor
+    self._factor_rules = factor_rules
+    self._roles: dict[tuple[str, tuple[int, ...]], Roles | None] = {}
+    self._plans: dict[tuple[Any, ...], FactorPlan] = {}
+
+  def _min_size(self, factored_in_state: bool | None) -> int | float:
+    if isinstance(self._min_dim_size_to_factor, jax.core.Tracer):
+      if factored_in_state is not None:
+        # optax.inject_hyperparams rebuilds the transformation with traced numbers on
+        # every update; the size threshold only decides *whether* to factor, which the
+        # state that init made records.
+        return 0 if factored_in_state else math.inf
+      raise TypeError(
+          "min_dim_size_to_factor is traced; it decides state shapes, so give it as a "
+          "Python int (with optax.inject_hyperparams pass "
+          "static_args=('min_dim_size_to_factor',) or call init outside jax.jit)"
+      )
+    return int(self._min_dim_size_to_factor)
+
+  def __call__(
+      self, path: Any, shape: Sequence[int], factored_in_state: bool | None = None
+  ) -> FactorPlan:
+    """The plan for one leaf.
+
+    ``factored_in_state`` (used by ``update``) says whether the state holds factored
+    statistics for the leaf; it is read only when ``min_dim_size_to_factor`` is traced.
+    """
+    shape = tuple(int(size) for size in shape)
+    key = (jax.tree_util.keystr(tuple(path)), shape)
+    if key not in self._roles:
+      self._roles[key] = None if self._factor_rules is None else self._factor_rules(path, shape)
+    plan_key = (*key, factored_in_state)
+    if plan_key not in self._plans:
+      self._plans[plan_key] = self._build(path, shape, self._roles[key],
+                                          self._min_size(factored_in_state))
+    return self._plans[plan_key]
+
+  def _build(self, path: Any, shape: tuple[int, ...], roles: Roles | None,
+             min_size: int | float) -> FactorPlan:
+    if roles is None:
+      plan = default_plan(shape, self._factored, min_size)
+      return FactorPlan((), ()) if plan is None else plan
+    return plan_from_roles(shape, roles, min_size, self._factored,
+                           where="params" + jax.tree_util.keystr(tuple(path)))
 
 
 def logical_factor_rules(

@@ -1,0 +1,154 @@
+"""Every hyperparameter of the Adafactor step, declared once and validated from one table.
+
+``safefactor`` and ``scale_by_safe_factored_rms`` both build a :class:`Hyperparams`
+and hand it to the same transformation; what differs between them is only which
+fields are switched on. Adding an option means adding a field here (with its
+validation row, if it has one) and reading it where it is used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_safefactor._src.plan import FactorRulesFn
+
+DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
+
+ROUNDING_MODES = ("nearest", "stochastic", "kahan")
+
+
+class Hyperparams(NamedTuple):
+  """The Adafactor step's settings; see :func:`optax_safefactor.safefactor` for each."""
+
+  learning_rate: optax.ScalarOrSchedule | None = None
+  min_dim_size_to_factor: int = 128
+  decay_rate: jax.typing.ArrayLike = 0.8
+  decay_offset: jax.typing.ArrayLike = 0
+  multiply_by_parameter_scale: bool = True
+  clipping_threshold: jax.typing.ArrayLike | None = 1.0
+  momentum: jax.typing.ArrayLike | None = None
+  dtype_momentum: Any = "float32"
+  weight_decay_rate: optax.ScalarOrSchedule | None = None
+  eps: jax.typing.ArrayLike = 1e-30
+  factored: bool = True
+  weight_decay_mask: Any = None
+  decay_rate_fn: DecayRateFn | None = None
+  state_dtype: str | None = None
+  beta2_cap: jax.typing.ArrayLike | None = None
+  min_parameter_scale: jax.typing.ArrayLike = 1e-3
+  max_parameter_scale: jax.typing.ArrayLike | None = None
+  factor_rules: FactorRulesFn | None = None
+  param_rounding: str = "nearest"
+  rounding_seed: int = 0
+  # False for a building block that scales the gradient (scale_by_factored_rms);
+  # True for a whole optimizer, whose update is a step down the gradient.
+  negate_updates: bool = True
+  skip_nonfinite_steps: bool = False
+  max_consecutive_skips: int | None = None
+  checked: bool = False
+
+  @property
+  def needs_params(self) -> bool:
+    """Whether ``update`` reads the params."""
+    return (
+        bool(self.multiply_by_parameter_scale)
+        or self.weight_decay_rate is not None
+        or self.param_rounding != "nearest"
+    )
+
+
+# (field, requirement, predicate): each number that arrives concrete is checked once.
+_NUMBER_RULES: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
+    ("learning_rate", "finite", math.isfinite),
+    ("decay_rate", "positive", lambda x: x > 0),
+    ("min_dim_size_to_factor", "at least 1", lambda x: x >= 1),
+    ("clipping_threshold", "at least 1 (or None)", lambda x: x >= 1),
+    ("momentum", "in [0, 1) (or None)", lambda x: 0 <= x < 1),
+    ("eps", "non-negative", lambda x: x >= 0),
+    ("beta2_cap", "in (0, 1] (or None)", lambda x: 0 < x <= 1),
+    ("min_parameter_scale", "non-negative", lambda x: x >= 0),
+    ("max_parameter_scale", "positive (or None)", lambda x: x > 0),
+    ("weight_decay_rate", "finite (or None)", math.isfinite),
+)
+
+
+def _as_number(name: str, value: Any) -> float | None:
+  """The value as a float, or ``None`` when it cannot be judged now (schedule, tracer)."""
+  if value is None or callable(value) or isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, str):
+    # YAML and command lines hand numbers over as strings; refuse them by name here
+    # rather than failing deep inside the step.
+    raise TypeError(
+        f"{name} must be a number, an array or a schedule, got the string {value!r}; "
+        f"convert it first, e.g. {name}=float({value!r})"
+    )
+  try:
+    return float(np.asarray(value))
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a number, an array or a schedule, got {value!r}") from None
+
+
+def validate(hyperparams: Hyperparams) -> Hyperparams:
+  """Check every concrete number against its rule; returns ``hyperparams`` unchanged.
+
+  Under ``optax.inject_hyperparams`` numbers arrive as arrays, concrete in ``init``
+  and traced in ``update``; only concrete ones can be judged.
+
+  >>> validate(Hyperparams(decay_rate=-1.0))
+  Traceback (most recent call last):
+  ...
+  ValueError: decay_rate must be positive, got -1.0
+  """
+  for name, requirement, is_valid in _NUMBER_RULES:
+    value = getattr(hyperparams, name)
+    number = _as_number(name, value)
+    if number is not None and not is_valid(number):
+      raise ValueError(f"{name} must be {requirement}, got {value!r}")
+  if hyperparams.param_rounding not in ROUNDING_MODES:
+    raise ValueError(
+        f"param_rounding must be one of {', '.join(map(repr, ROUNDING_MODES))}, "
+        f"got {hyperparams.param_rounding!r}"
+    )
+  if hyperparams.param_rounding != "nearest" and hyperparams.learning_rate is None:
+    raise ValueError(
+        f"param_rounding={hyperparams.param_rounding!r} rounds the final update onto the "
+        "params, so it needs a learning_rate (with learning_rate=None a later "
+        "transformation would scale the rounded update)"
+    )
+  if hyperparams.max_consecutive_skips is not None and int(hyperparams.max_consecutive_skips) < 1:
+    raise ValueError(
+        "max_consecutive_skips must be a positive int or None, got "
+        f"{hyperparams.max_consecutive_skips!r}"
+    )
+  return hyperparams
+
+
+def value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
+  """A hyperparameter's value at ``count``: a schedule is called, a number is kept."""
+  return value(count) if callable(value) else value
+
+
+def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
+  """The first moment's dtype: ``dtype_momentum`` by name, or the param's for ``None``.
+
+  >>> momentum_dtype(None, jnp.bfloat16), momentum_dtype("float32", jnp.bfloat16)
+  (dtype(bfloat16), dtype('float32'))
+  """
+  if dtype_momentum is None:
+    return np.dtype(param_dtype)
+  if isinstance(dtype_momentum, (jax.Array, np.ndarray, jax.core.Tracer)):
+    # optax.inject_hyperparams calls every callable argument as a schedule, and a dtype
+    # class such as jnp.bfloat16 is callable: it arrives as a scalar of that dtype.
+    dtype_momentum = dtype_momentum.dtype
+  dtype = np.dtype(jnp.dtype(dtype_momentum))
+  if jnp.issubdtype(param_dtype, jnp.complexfloating):
+    return np.dtype(jnp.complex128) if dtype.itemsize >= 8 else np.dtype(jnp.complex64)
+  return dtype

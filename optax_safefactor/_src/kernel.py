@@ -1,0 +1,369 @@
+r"""The per-leaf Adafactor step, as small pure functions with their formulas.
+
+For a leaf with gradient :math:`g`, params :math:`p`, row axes :math:`R`, column
+axes :math:`C` and batch axes :math:`B` (separate slices), one step is
+
+.. math::
+  r_t &= \beta_t r_{t-1} + (1-\beta_t)\,\mathrm{mean}_C(|g|^2+\epsilon)
+       &\text{(row statistic)}\\
+  c_t &= \beta_t c_{t-1} + (1-\beta_t)\,\mathrm{mean}_R(|g|^2+\epsilon)
+       &\text{(column statistic)}\\
+  \hat v &= r_t\, c_t / \mathrm{mean}_R(r_t) &\text{(factored estimate)}\\
+  s &= g / \sqrt{\hat v} &\text{(scaled gradient)}\\
+  u &= \eta_t \cdot s / \max(1, \mathrm{rms}_{\setminus B}(s)/d)
+        \cdot \mathrm{clip}(\mathrm{rms}_{\setminus B}(p), p_{\min}, p_{\max})
+       &\text{(clipping, learning rate, parameter scale)}\\
+  m_t &= \beta_1 m_{t-1} + (1-\beta_1)\,u,\quad u \leftarrow m_t &\text{(momentum)}\\
+  u &\leftarrow u + \lambda_t p &\text{(decoupled weight decay)}\\
+  \Delta &= \mathrm{cast}(-u) &\text{(the update, in the gradient's dtype)}
+
+An unfactored leaf keeps one statistic per element, :math:`v_t = \beta_t v_{t-1} +
+(1-\beta_t)(|g|^2+\epsilon)`. Arithmetic runs in the compute dtype (float32, or
+float64 for float64 inputs) and statistics are stored in the state dtype.
+
+The step is split in two halves around the skip decision: :func:`leaf_scaling`
+produces the new statistics, the small arrays that scale the gradient, and whether
+anything it saw was non-finite; :func:`leaf_update` then builds the update from the
+gradient and those small arrays. No full-size array crosses from one half to the
+other, which is what keeps the step's temporaries small (see ``xla_hints.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_safefactor._src import numerics, placement, xla_hints
+from optax_safefactor._src.plan import FactorPlan
+from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
+
+
+class FactoredMoment(NamedTuple):
+  """Second moment of a factored leaf, kept with all of the leaf's axes (keepdims).
+
+  Attributes:
+    v_row: the leaf's shape with the column axes set to 1.
+    v_col: the leaf's shape with the row axes set to 1.
+  """
+
+  v_row: jax.Array
+  v_col: jax.Array
+
+
+class FullMoment(NamedTuple):
+  """Second moment of an unfactored leaf: one statistic per element."""
+
+  v: jax.Array
+
+
+Moment = FactoredMoment | FullMoment
+
+
+def is_moment(x: Any) -> bool:
+  return isinstance(x, (FactoredMoment, FullMoment))
+
+
+# Schedules -------------------------------------------------------------------------
+
+
+def power_decay(step: jax.Array, exponent: jax.typing.ArrayLike, dtype: Any) -> jax.Array:
+  """Adafactor's second-moment decay :math:`1 - (t + 1)^{-c}`, in ``dtype``."""
+  t = jnp.asarray(step, dtype) + jnp.asarray(1, dtype)
+  return 1 - t ** (-jnp.asarray(exponent, dtype))
+
+
+def second_moment_decay(
+    count: jax.Array,
+    dtype: Any,
+    *,
+    decay_rate: jax.typing.ArrayLike,
+    decay_offset: jax.typing.ArrayLike,
+    decay_rate_fn: Any,
+    beta2_cap: jax.typing.ArrayLike | None,
+) -> jax.Array:
+  r""":math:`\beta_t = \min(\mathrm{decay}(\max(t - t_0, 0)), \beta_{\max})` in ``dtype``.
+
+  The local step :math:`t - t_0` is clamped at 0: with a large offset the power
+  schedule would otherwise raise a negative base to a fractional power (NaN).
+  """
+  local_step = jnp.maximum(
+      jnp.asarray(count, jnp.int32) - jnp.asarray(decay_offset, jnp.int32), 0
+  )
+  if decay_rate_fn is None:
+    beta2 = power_decay(local_step, decay_rate, dtype)
+  else:
+    beta2 = jnp.asarray(decay_rate_fn(local_step, decay_rate), dtype)
+  if beta2_cap is not None:
+    beta2 = jnp.minimum(beta2, jnp.asarray(beta2_cap, dtype))
+  return beta2
+
+
+# Second moment ---------------------------------------------------------------------
+
+
+def init_moment(param: Any, plan: FactorPlan, state_dtype: Any, eps: Any) -> Moment:
+  r"""Statistics for one leaf, filled with the floor :math:`\max(\epsilon, \text{tiny})`.
+
+  Starting at the floor rather than at zero means no statistic is ever zero, even
+  for a leaf whose gradient is always zero. ``param`` may be a flax box; the
+  statistics are then boxed and placed like it, less the reduced axes.
+  """
+  value = placement.unbox(param)
+  dtype = numerics.resolve_state_dtype(state_dtype, value.dtype)
+  floor = numerics.positive_floor(eps, dtype)
+  if not plan.factored:
+    return FullMoment(placement.state_like(param, value.shape, floor, dtype))
+  return FactoredMoment(
+      placement.state_like(param, plan.row_stat_shape(value.shape), floor, dtype),
+      placement.state_like(param, plan.col_stat_shape(value.shape), floor, dtype),
+  )
+
+
+def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
+  r""":math:`\beta\,\mathrm{old} + (1-\beta)\,\mathrm{new}`, stored in ``old``'s dtype."""
+  blended = beta2 * old.astype(new_mean.dtype) + (1 - beta2) * new_mean
+  return blended.astype(old.dtype)
+
+
+def update_second_moment(
+    grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any
+) -> Moment:
+  r"""The new statistics: :math:`r_t = \beta r + (1-\beta)\,\mathrm{mean}_C(|g|^2+\epsilon)`,
+  :math:`c_t = \beta c + (1-\beta)\,\mathrm{mean}_R(|g|^2+\epsilon)` (keepdims), or
+  :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf."""
+  ct = numerics.compute_dtype(grad.dtype)
+  eps = jnp.asarray(eps, numerics.real_dtype(ct))
+  beta2 = beta2.astype(numerics.real_dtype(ct))
+  if isinstance(moment, FullMoment):
+    return FullMoment(_blend(moment.v, numerics.abs_sq(grad.astype(ct)) + eps, beta2))
+  grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
+  row_mean = jnp.mean(numerics.abs_sq(grad_for_rows.astype(ct)), plan.col_axes,
+                      keepdims=True) + eps
+  col_mean = jnp.mean(numerics.abs_sq(grad_for_cols.astype(ct)), plan.row_axes,
+                      keepdims=True) + eps
+  return FactoredMoment(_blend(moment.v_row, row_mean, beta2),
+                        _blend(moment.v_col, col_mean, beta2))
+
+
+class ScaleFactors(NamedTuple):
+  r"""Small arrays whose product is :math:`1/\sqrt{\hat v}` (never stored full-size).
+
+  Attributes:
+    factors: ``(rsqrt(v),)`` for an unfactored leaf;
+      :math:`(\sqrt{\mathrm{mean}_R(r)/r},\ 1/\sqrt{c})` for a factored one.
+    cap: the largest product, :math:`1/\sqrt{\text{tiny}}`: reached only where the
+      factored estimate :math:`\hat v` underflows the compute dtype; ``None`` for an
+      unfactored leaf, whose statistic is floored directly.
+    poison: ``None``, or 0 where the statistics are finite and NaN where they are not
+      (see :func:`xla_hints.nan_unless_finite`).
+  """
+
+  factors: tuple[jax.Array, ...]
+  cap: jax.Array | None
+  poison: jax.Array | None
+
+
+def scale_factors(
+    moment: Moment, plan: FactorPlan, eps: Any, compute_dtype: Any, *, poison: bool
+) -> tuple[ScaleFactors, jax.Array]:
+  r"""The factors of :math:`1/\sqrt{\hat v}`, :math:`\hat v = r\,c/\mathrm{mean}_R(r)`.
+
+  Every statistic is floored at :math:`\max(\epsilon, \text{tiny})` first, so no
+  rsqrt or division sees zero. The factors are computed from the stored statistics,
+  so this step uses exactly what the next one will see.
+
+  Returns:
+    ``(factors, finite)``: ``finite`` is a scalar bool, True when the statistics are
+    finite; with ``poison`` it is always True and the factors carry NaN instead, for
+    a reduction that the caller checks anyway.
+  """
+  stat_dtype = numerics.real_dtype(compute_dtype)
+  floor = numerics.positive_floor(eps, stat_dtype)
+  if isinstance(moment, FullMoment):
+    stored = moment.v.astype(stat_dtype)
+    factor = jax.lax.rsqrt(jnp.maximum(stored, floor))
+    if poison:
+      return ScaleFactors((factor,), None, xla_hints.nan_unless_finite(stored)), jnp.array(True)
+    return ScaleFactors((factor,), None, None), numerics.all_finite(moment.v)
+  row = jnp.maximum(moment.v_row.astype(stat_dtype), floor)
+  col = jnp.maximum(moment.v_col.astype(stat_dtype), floor)
+  normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
+  factors = (jnp.sqrt(normaliser / row), jax.lax.rsqrt(col))
+  cap = jax.lax.rsqrt(jnp.asarray(numerics.smallest_normal(stat_dtype), stat_dtype))
+  if poison:
+    # The normaliser sums every row statistic, so it is non-finite when one of them
+    # is (all are non-negative: no cancellation); the columns poison their own factor.
+    nan_if_bad = (xla_hints.nan_unless_finite(normaliser)
+                  + xla_hints.nan_unless_finite(moment.v_col.astype(stat_dtype)))
+    return ScaleFactors(factors, cap, nan_if_bad), jnp.array(True)
+  finite = numerics.all_finite(moment.v_row) & numerics.all_finite(moment.v_col)
+  return ScaleFactors(factors, cap, None), finite
+
+
+def scale_by_factors(grad: jax.Array, scale: ScaleFactors) -> jax.Array:
+  r""":math:`g \cdot \min(\prod \text{factors}, \text{cap})` (+ the poison, if any)."""
+  product = scale.factors[0]
+  for factor in scale.factors[1:]:
+    product = product * factor
+  if scale.cap is not None:
+    product = jnp.minimum(product, scale.cap)
+  if scale.poison is not None:
+    product = product + scale.poison
+  return grad * product.astype(grad.dtype)
+
+
+# Multipliers -----------------------------------------------------------------------
+
+
+def clipping_multiplier(mean_square: jax.Array, threshold: Any) -> jax.Array:
+  r""":math:`1/\max(1, \sqrt{\mathrm{mean}(s^2)}/d)`: the update's RMS is at most :math:`d`."""
+  threshold = jnp.asarray(threshold, mean_square.dtype)
+  return 1 / jnp.maximum(jnp.asarray(1, mean_square.dtype), jnp.sqrt(mean_square) / threshold)
+
+
+def parameter_scale(
+    param: jax.Array, batch_axes: tuple[int, ...], min_scale: Any, max_scale: Any | None
+) -> jax.Array:
+  r""":math:`\min(\max(\mathrm{rms}(p), p_{\min}), p_{\max})`, per batch slice.
+
+  NaN in the params stays NaN (and is caught by the finiteness check), where a
+  ``maximum`` could clamp it away on some backends.
+  """
+  ct = numerics.compute_dtype(param.dtype)
+  real_ct = numerics.real_dtype(ct)
+  # Read the param on its own, so the upcast fuses into this reduction and no
+  # float32 copy of a narrow param is kept for later passes.
+  rms = jnp.sqrt(numerics.mean_abs_sq(xla_hints.fresh_read(param).astype(ct), batch_axes))
+  min_scale = jnp.asarray(min_scale, real_ct)
+  scale = jnp.where(rms <= min_scale, min_scale, rms)
+  if max_scale is not None:
+    scale = jnp.minimum(scale, jnp.asarray(max_scale, real_ct))
+  return scale
+
+
+def momentum_blend(update: jax.Array, momentum: jax.Array, beta1: Any) -> jax.Array:
+  r""":math:`m_t = \beta_1 m_{t-1} + (1-\beta_1)\,u`, in ``update``'s dtype."""
+  beta1 = jnp.asarray(beta1, numerics.real_dtype(update.dtype)).astype(update.dtype)
+  return (1 - beta1) * update + beta1 * momentum.astype(update.dtype)
+
+
+def decoupled_weight_decay(
+    update: jax.Array, param: jax.Array, rate: Any, mask: jax.Array | None
+) -> jax.Array:
+  r""":math:`u + \lambda p` (where ``mask`` is True, when one is given)."""
+  rate = jnp.asarray(rate, numerics.real_dtype(update.dtype)).astype(update.dtype)
+  decay = rate * param.astype(update.dtype)
+  if mask is not None:
+    decay = jnp.where(mask, decay, jnp.zeros((), update.dtype))
+  return update + decay
+
+
+def final_update(update: jax.Array, dtype: Any, negate: bool) -> jax.Array:
+  r""":math:`\Delta = \mathrm{cast}(-u)` (or :math:`\mathrm{cast}(u)` for a building block),
+  finite values clamped to the dtype's range."""
+  return numerics.saturating_cast(-update if negate else update, dtype)
+
+
+# The two halves of a leaf's step -----------------------------------------------------
+
+
+class LeafSettings(NamedTuple):
+  """This step's values of the hyperparameters one leaf needs (scalars or ``None``).
+
+  ``weight_decay_mask`` is ``None`` for "decay everywhere" or an array of bools; a
+  leaf that never decays gets ``weight_decay_rate=None``.
+  """
+
+  beta2: jax.Array
+  eps: Any
+  learning_rate: Any | None
+  clipping_threshold: Any | None
+  min_parameter_scale: Any | None
+  max_parameter_scale: Any | None
+  momentum: Any | None
+  weight_decay_rate: Any | None
+  weight_decay_mask: jax.Array | None
+  negate: bool
+
+
+class LeafScaling(NamedTuple):
+  """What the first half hands the second: small arrays only."""
+
+  factors: ScaleFactors
+  multiplier: jax.Array | None
+
+
+def leaf_scaling(
+    grad: jax.Array, moment: Moment, param: jax.Array | None, plan: FactorPlan,
+    settings: LeafSettings,
+) -> tuple[Moment, LeafScaling, jax.Array]:
+  """First half: new statistics, the scaling of the update, and whether all was finite.
+
+  Returns:
+    ``(new_moment, scaling, finite)``. ``finite`` is a scalar bool, True exactly when
+    the new statistics, the multiplier and therefore the update are finite: the
+    scaled gradient is at most ``|grad| / sqrt(floor)``, and ``|grad|**2`` is part of
+    the statistics.
+  """
+  ct = numerics.compute_dtype(grad.dtype)
+  real_ct = numerics.real_dtype(ct)
+  clipping = settings.clipping_threshold is not None
+  new_moment = update_second_moment(grad, moment, plan, settings.beta2, settings.eps)
+  # With clipping, the statistics' finiteness rides on the clipping reduction.
+  factors, finite = scale_factors(new_moment, plan, settings.eps, ct, poison=clipping)
+  multiplier = None
+
+  def times(factor):
+    return factor if multiplier is None else multiplier * factor
+
+  if clipping:
+    scaled = scale_by_factors(xla_hints.fresh_read(grad).astype(ct), factors)
+    mean_square = numerics.mean_abs_sq(scaled, plan.batch_axes)
+    finite &= numerics.all_finite(mean_square)
+    multiplier = times(clipping_multiplier(mean_square, settings.clipping_threshold))
+  if settings.learning_rate is not None:
+    learning_rate = jnp.asarray(settings.learning_rate, real_ct)
+    finite &= jnp.isfinite(learning_rate)
+    multiplier = times(learning_rate)
+  if settings.min_parameter_scale is not None:
+    scale = parameter_scale(param, plan.batch_axes, settings.min_parameter_scale,
+                            settings.max_parameter_scale)
+    finite &= numerics.all_finite(scale)
+    multiplier = times(scale)
+  elif settings.weight_decay_rate is not None:
+    finite &= numerics.all_finite(param)
+  return new_moment, LeafScaling(factors, multiplier), finite
+
+
+def leaf_update(
+    step_finite: jax.Array | None, grad: jax.Array, scaling: LeafScaling,
+    momentum: jax.Array | None, param: jax.Array | None, settings: LeafSettings,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Second half: the update, scaled again from the gradient, with the skip applied.
+
+  ``step_finite`` is ``None`` without a guard, else the step's scalar verdict: a
+  skipped step gives zero updates and the old momentum, exactly.
+
+  Returns:
+    ``(update, new_momentum)``; the update is in the gradient's dtype.
+  """
+  ct = numerics.compute_dtype(grad.dtype)
+  update = scale_by_factors(grad.astype(ct),
+                            xla_hints.unmergeable(step_finite, scaling.factors))
+  if scaling.multiplier is not None:
+    update = update * scaling.multiplier.astype(ct)
+  new_momentum = None
+  if momentum is not None:
+    blended = momentum_blend(update, momentum, settings.momentum)
+    new_momentum = keep_unless_skipped(step_finite, blended.astype(momentum.dtype), momentum)
+    # Reading the update back from the kept state lets the state be written in place;
+    # when the state is narrower than the compute dtype, use the exact value.
+    update = new_momentum if np.dtype(momentum.dtype) == np.dtype(ct) else blended
+  if settings.weight_decay_rate is not None:
+    update = decoupled_weight_decay(update, param, settings.weight_decay_rate,
+                                    settings.weight_decay_mask)
+  update = final_update(update, grad.dtype, settings.negate)
+  return zero_if_skipped(step_finite, update), new_momentum

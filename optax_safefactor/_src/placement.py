@@ -1,0 +1,225 @@
+"""Optimizer state placed like its param: one rule for boxes and partition specs alike.
+
+A state array that belongs to a param (a statistic, a momentum, an accumulator, a
+compensation buffer) has the param's rank, each axis either the param's size or 1
+(keepdims). Its placement is the param's, with every axis that is 1 in the state
+left unnamed: a size-1 axis never names a mesh axis. That one rule,
+:func:`fitted_axis_names`, gives flax boxes their sharding names and
+``NamedSharding``s their ``PartitionSpec``; every communication the update then
+needs is an all-reduce of a row- or column-sized statistic or of a scalar.
+
+Flax boxes (nnx Variables, linen ``Partitioned``) are recognised by their methods,
+not their types, since flax is optional.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+# nnx Variables keep their mesh-axis names under one of these metadata keys,
+# depending on the flax version.
+_NNX_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def fitted_axis_names(
+    names: Sequence[Any], param_shape: Sequence[int], state_shape: Sequence[int]
+) -> tuple[Any, ...]:
+  """The param's per-axis names (mesh axes), with every axis reduced in the state unnamed.
+
+  >>> fitted_axis_names(("data", "model"), (256, 512), (256, 1))
+  ('data', None)
+  >>> fitted_axis_names(("data", "model"), (256, 512), (1, 512))
+  (None, 'model')
+  """
+  if len(state_shape) != len(param_shape):
+    return (None,) * len(state_shape)
+  names = tuple(names) + (None,) * (len(param_shape) - len(names))
+  return tuple(
+      name if size == param_size and size != 1 else None
+      for name, param_size, size in zip(names, param_shape, state_shape, strict=True)
+  )
+
+
+def state_spec(
+    param_spec: PartitionSpec, param_shape: Sequence[int], state_shape: Sequence[int]
+) -> PartitionSpec:
+  """The spec of a state array of ``state_shape`` that belongs to a param.
+
+  Replicated when the array does not fit the param (other rank, or an axis that is
+  neither the param's size nor 1).
+
+  >>> tuple(state_spec(PartitionSpec("data", "model"), (256, 512), (256, 1)))
+  ('data', None)
+  >>> tuple(state_spec(PartitionSpec("data"), (256, 512), (1, 512)))
+  (None, None)
+  """
+  fits = len(state_shape) == len(param_shape) and all(
+      size in (param_size, 1) for size, param_size in zip(state_shape, param_shape, strict=True)
+  )
+  if not fits:
+    return PartitionSpec()
+  return PartitionSpec(*fitted_axis_names(tuple(param_spec), param_shape, state_shape))
+
+
+# Boxes -----------------------------------------------------------------------------
+
+
+def _is_nnx_variable(x: Any) -> bool:
+  return all(hasattr(x, name) for name in ("get_metadata", "get_value", "replace"))
+
+
+def _is_linen_box(x: Any) -> bool:
+  return all(hasattr(x, name) for name in ("unbox", "replace_boxed", "names"))
+
+
+def is_box(x: Any) -> bool:
+  """Whether ``x`` is a flax metadata box (an nnx Variable or a linen Partitioned)."""
+  return _is_nnx_variable(x) or _is_linen_box(x)
+
+
+def unbox(x: Any) -> Any:
+  """The array inside a box; anything else unchanged."""
+  if _is_nnx_variable(x):
+    return x.get_value()
+  if _is_linen_box(x):
+    return x.unbox()
+  return x
+
+
+def _fitted_names(names: Any, param_shape: Sequence[int], state_shape: Sequence[int]) -> Any:
+  if not isinstance(names, (tuple, list)) or len(names) != len(param_shape):
+    return names
+  return fitted_axis_names(names, param_shape, state_shape)
+
+
+def rebox_like(box: Any, value: Any) -> Any:
+  """``value`` in a box like ``box``, with sharding names fitted to ``value``'s shape.
+
+  Plain values (no box) are returned unchanged.
+  """
+  if not is_box(box):
+    return value
+  param_shape = unbox(box).shape
+  if _is_nnx_variable(box):
+    metadata = box.get_metadata()
+    fitted = {
+        key: _fitted_names(metadata[key], param_shape, value.shape)
+        for key in _NNX_SHARDING_KEYS
+        if key in metadata
+    }
+    return box.replace(value=value, **fitted)
+  return box.replace(value=value, names=_fitted_names(box.names, param_shape, value.shape))
+
+
+# Arrays ----------------------------------------------------------------------------
+
+
+def _known_sharding(param: Any) -> Sharding | None:
+  """The param's sharding when it is known: a concrete or abstract array's, or an
+  explicit-axes tracer's. Under ``jax.jit`` with Auto axes it is not known."""
+  if isinstance(param, jax.core.Tracer):
+    sharding = jax.typeof(param).sharding
+    explicit = any(
+        axis_type == jax.sharding.AxisType.Explicit
+        for axis_type in getattr(sharding.mesh, "axis_types", ())
+    )
+    return sharding if explicit else None
+  return getattr(param, "sharding", None)
+
+
+def _full_like(param: jax.Array, shape: Sequence[int], fill_value: Any, dtype: Any) -> jax.Array:
+  sharding = _known_sharding(param)
+  if isinstance(sharding, NamedSharding):
+    placed = NamedSharding(sharding.mesh, state_spec(sharding.spec, param.shape, shape))
+    if isinstance(param, jax.core.Tracer):
+      return jnp.full(shape, fill_value, dtype, out_sharding=placed)
+    return jnp.full(shape, fill_value, dtype, device=placed)
+  # Follow the param's commitment: a state committed where the params are not (or the
+  # reverse) differs from what a jitted step returns, and the second step compiles again.
+  if isinstance(sharding, Sharding) and getattr(param, "committed", False):
+    return jnp.full(shape, fill_value, dtype, device=sharding)
+  return jnp.full(shape, fill_value, dtype)
+
+
+def state_like(param: Any, shape: Sequence[int], fill_value: Any, dtype: Any) -> Any:
+  """``jnp.full(shape, fill_value, dtype)`` placed like ``param``, less its reduced axes.
+
+  ``param`` may be a flax box: the result is then boxed like it, with sharding names
+  fitted to ``shape``.
+  """
+  return rebox_like(param, _full_like(unbox(param), shape, fill_value, dtype))
+
+
+def _matches_params(params: Any, subtree: Any) -> bool:
+  try:
+    jax.tree.map(lambda *_: None, params, subtree)
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+def state_partition_specs(
+    optimizer: Any,
+    params: Any,
+    param_specs: Any = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Any:
+  """Partition specs with the exact structure of ``optimizer.init(params)``'s state.
+
+  Each state leaf that belongs to a param (a statistic, a momentum, an accumulator)
+  gets the param's spec with its reduced (size-1) axes set to ``None``; every other
+  leaf (counts, counters, hyperparameters) is replicated. Use it for
+  ``jax.jit(tx.init, out_shardings=...)`` and for abstract checkpoint targets.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import optax_safefactor as osf
+    >>> params = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32)}
+    >>> specs = osf.state_partition_specs(osf.safefactor(), params, {"w": P("data", "model")})
+    >>> moment = specs.inner_state.second_moment["w"]
+    >>> tuple(moment.v_row), tuple(moment.v_col)
+    (('data', None), (None, 'model'))
+
+  Args:
+    optimizer: any optax transformation; its ``init`` is only traced abstractly.
+    params: the params, as arrays or ``jax.ShapeDtypeStruct`` (no memory is used).
+    param_specs: a tree of ``PartitionSpec`` like ``params``; ``None`` to read them off
+      the params' ``NamedSharding``.
+    mesh: if given, return ``NamedSharding``s on this mesh instead of specs.
+
+  Returns:
+    A pytree of ``PartitionSpec`` (or ``NamedSharding``) shaped like the state.
+  """
+  if param_specs is None:
+    def spec_of(param):
+      sharding = getattr(param, "sharding", None)
+      return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+    param_specs = jax.tree.map(spec_of, params)
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+  abstract_state = jax.eval_shape(optimizer.init, shapes)
+
+  def specs_for(subtree):
+    if _matches_params(params, subtree):
+      return jax.tree.map(
+          lambda param, spec, part: jax.tree.map(
+              lambda leaf: state_spec(spec, param.shape, leaf.shape), part
+          ),
+          params, param_specs, subtree,
+      )
+    children, treedef = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)
+    if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+      return PartitionSpec()
+    return jax.tree.unflatten(treedef, [specs_for(child) for child in children])
+
+  specs = specs_for(abstract_state)
+  if mesh is None:
+    return specs
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)

@@ -1,0 +1,89 @@
+"""Compiler hints: how the Adafactor step is kept fast, named so the maths need not say it.
+
+Each helper changes how XLA fuses or schedules the step, never what it computes. The
+kernel calls them by name; each one is pinned by the test named in its docstring, so
+removing or breaking a hint fails a test rather than silently costing memory or
+compile time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+T = TypeVar("T")
+
+
+def separate_reads(*values: T) -> tuple[T, ...]:
+  """The same values, as distinct copies that XLA will not merge.
+
+  Each reduction that reads a gradient should read it itself: a square or an upcast
+  shared by two reductions is written to a full-size temporary and read back, where
+  separate ones fuse into their reductions.
+
+  Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
+  """
+  return jax.lax.optimization_barrier(values)
+
+
+def fresh_read(value: T) -> T:
+  """``value``, as a copy that XLA will not merge with other reads of it.
+
+  Used where a full-size upcast would otherwise be shared with a later pass and
+  kept alive across the skip decision.
+
+  Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
+  """
+  return jax.lax.optimization_barrier(value)
+
+
+def computed_once(bools: list[jax.Array]) -> jax.Array:
+  """All of ``bools``, as one scalar that XLA computes once rather than per consumer.
+
+  Every leaf's output reads the step's skip flag. A plain ``and`` of the leaves'
+  flags is cheap enough that XLA copies the whole chain into each leaf's fused
+  kernel, which makes compile time quadratic in the number of leaves. An ``exp`` is
+  an op XLA does not duplicate, so the flag is routed through one. The flag is built
+  from 0/1 counts, never from NaN, which the CPU backend may fold away.
+
+  Pinned by ``tests/test_compile.py::test_compiled_program_grows_linearly_with_leaves``.
+  """
+  if not bools:
+    return jnp.array(True)
+  bad = jnp.sum(jnp.stack([jnp.where(b, 0.0, 1.0) for b in bools]).astype(jnp.float32))
+  return jnp.exp(-bad) > 0.5
+
+
+def unmergeable(step_finite: jax.Array | None, small: Any) -> Any:
+  """Small arrays (scale factors) gated by the skip flag, as new values.
+
+  The final update is scaled again from the gradient and the small factors rather
+  than kept from the clipping pass, so that the full-size scaled gradient has one
+  reader and lives for one reduction. Gating the factors (or, without a flag, passing
+  them through a barrier) makes them new values, so XLA cannot merge the two
+  scalings back into one kept full-size array.
+
+  Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
+  """
+  if step_finite is None:
+    return jax.lax.optimization_barrier(small)
+  return jax.tree.map(lambda x: jnp.where(step_finite, x, jnp.zeros((), x.dtype)), small)
+
+
+def nan_unless_finite(x: jax.Array) -> jax.Array:
+  """0 where ``x`` is finite, NaN where it is not (``x - x``, elementwise).
+
+  Added to a scale factor, it carries a non-finite statistic into the clipping
+  reduction that the step computes anyway, so that one reduction decides the
+  finiteness of both (one kernel fewer per statistic). XLA does not fold ``x - x``
+  for floats, since it is NaN for Inf and NaN.
+
+  Pinned by ``tests/test_guard.py`` (a NaN in the statistics alone is skipped) and by
+  ``tests/test_compile.py`` (kernel count).
+
+  >>> nan_unless_finite(jnp.array([2.0, jnp.inf, jnp.nan])).tolist()
+  [0.0, nan, nan]
+  """
+  return x - x

@@ -1,0 +1,123 @@
+"""The guard survives any wrapping: every wrapper skips exactly the steps the bare one skips.
+
+safefactor decides its skip inside its own update, so no wrapper can lose the guard
+(in 0.1 it rode on an attribute of the transformation, which ``_replace`` dropped).
+Each guarded transformation below runs bare and wrapped over the same gradients,
+with poisoned steps; the skip counts and the params must be the same.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_safefactor as osf
+from tests.helpers import assert_trees_close
+
+# Finite gradients whose square overflows float32: finite micro-batches for MultiSteps
+# (whose own accumulator a NaN would poison), non-finite statistics inside the step.
+OVERFLOW_STEPS = (2, 5)
+NAN_STEPS = (3,)
+STEPS = 8
+
+GUARDED = {
+    "safefactor": lambda: osf.safefactor(0.05, momentum=0.9, weight_decay_rate=1e-3),
+    "safefactor_no_clipping": lambda: osf.safefactor(0.05, clipping_threshold=None),
+    "scale_by_safe_factored_rms_guarded": lambda: optax.chain(
+        osf.scale_by_safe_factored_rms(min_dim_size_to_factor=4, skip_nonfinite_steps=True),
+        optax.scale(-0.05)),
+    "skip_nonfinite_around_unguarded_safefactor": lambda: osf.skip_nonfinite(
+        osf.safefactor(0.05, skip_nonfinite_steps=False)),
+    "skip_nonfinite_around_scale_by_safe_factored_rms": lambda: osf.skip_nonfinite(
+        optax.chain(osf.scale_by_safe_factored_rms(min_dim_size_to_factor=4),
+                    optax.scale(-0.05))),
+}
+
+WRAPPERS = {
+    "replace": lambda tx: tx._replace(init=tx.init),
+    "chain": lambda tx: optax.chain(optax.identity(), tx),
+    "with_extra_args_support": optax.with_extra_args_support,
+    "masked_all": lambda tx: optax.masked(tx, {"w": True, "b": True}),
+    "multi_steps_every_1": lambda tx: optax.MultiSteps(tx, every_k_schedule=1),
+}
+
+
+def _params():
+  return {"w": jnp.linspace(-1.0, 1.0, 16 * 12).reshape(16, 12), "b": jnp.full((12,), 0.5)}
+
+
+def _grads(step: int):
+  params = _params()
+  grads = jax.tree.map(lambda p: jnp.sin(p * (step + 1)), params)
+  if step in OVERFLOW_STEPS:
+    grads["w"] = grads["w"].at[0, 0].set(1e30)
+  if step in NAN_STEPS:
+    grads["b"] = grads["b"].at[1].set(jnp.nan)
+  return grads
+
+
+def _run(tx, steps=STEPS, grads_for=_grads):
+  params = _params()
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for step in range(steps):
+    updates, state = update(grads_for(step), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _finite_only(step):
+  # MultiSteps cannot survive a NaN micro-batch (its own accumulator keeps it), so it
+  # is fed the overflowing but finite poison only.
+  grads = _grads(step)
+  if step in NAN_STEPS:
+    grads = _grads(0)
+  return grads
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("guarded", sorted(GUARDED))
+def test_wrapping_skips_the_same_steps(guarded, wrapper):
+  grads_for = _finite_only if wrapper.startswith("multi_steps") else _grads
+  bare_params, bare_state = _run(GUARDED[guarded](), grads_for=grads_for)
+  with jax.numpy_dtype_promotion("standard"):  # optax's wrappers mix int and float
+    params, state = _run(WRAPPERS[wrapper](GUARDED[guarded]()), grads_for=grads_for)
+  expected_skips = len(OVERFLOW_STEPS) + (0 if grads_for is _finite_only else len(NAN_STEPS))
+  assert int(osf.skipped_steps(bare_state)) == expected_skips
+  assert int(osf.skipped_steps(state)) == expected_skips
+  assert_trees_close(params, bare_params, rtol=1e-6)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("guarded", ["safefactor", "safefactor_no_clipping"])
+def test_inject_hyperparams_skips_the_same_steps(guarded):
+  # inject_hyperparams rebuilds the transformation on every update; the guard is rebuilt
+  # with it.
+  kwargs = {"safefactor": dict(momentum=0.9, weight_decay_rate=1e-3),
+            "safefactor_no_clipping": dict(clipping_threshold=None)}[guarded]
+  bare_params, bare_state = _run(GUARDED[guarded]())
+  tx = optax.inject_hyperparams(osf.safefactor, static_args=("min_dim_size_to_factor",))(
+      learning_rate=0.05, **kwargs)
+  with jax.numpy_dtype_promotion("standard"):
+    params, state = _run(tx)
+  assert int(osf.skipped_steps(state)) == int(osf.skipped_steps(bare_state)) == 3
+  assert_trees_close(params, bare_params, rtol=1e-6)
+
+
+def test_masked_subset_skips_when_its_leaves_are_poisoned():
+  # Only "w" is optimised: the NaN in "b" never reaches safefactor, the overflow in "w" does.
+  tx = optax.masked(osf.safefactor(0.05), {"w": True, "b": False})
+  with jax.numpy_dtype_promotion("standard"):
+    _, state = _run(tx)
+  assert int(osf.skipped_steps(state)) == len(OVERFLOW_STEPS)
+
+
+def test_replace_keeps_the_guard_of_0_1s_bug():
+  # 0.1's guard rode on an attribute of a NamedTuple subclass: ``_replace`` kept the
+  # class but dropped the attribute, and skip_nonfinite then raised AttributeError.
+  tx = osf.safefactor(0.05, skip_nonfinite_steps=False)
+  rebuilt = tx._replace(init=tx.init)
+  params, state = _run(osf.skip_nonfinite(rebuilt))
+  assert int(osf.skipped_steps(state)) == 3
+  np.testing.assert_array_equal(np.isfinite(params["w"]), True)
