@@ -17,6 +17,7 @@ from optax_safefactor._src.migrate import migrate_from_optax as migrate_from_opt
 from optax_safefactor._src.placement import state_partition_specs as state_partition_specs
 from optax_safefactor._src.plan import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
 from optax_safefactor._src.plan import logical_factor_rules as logical_factor_rules
+from optax_safefactor._src.rounding import with_param_rounding as with_param_rounding
 from optax_safefactor._src.transform import AdafactorState as AdafactorState
 
 __version__ = "0.2.0"
@@ -40,4 +41,5 @@ __all__ = (
     "skip_nonfinite",
     "skipped_steps",
     "state_partition_specs",
+    "with_param_rounding",
 )
