@@ -224,19 +224,21 @@ def clipping_multiplier(mean_square: jax.Array, threshold: Any) -> jax.Array:
   return 1 / jnp.maximum(jnp.asarray(1, mean_square.dtype), jnp.sqrt(mean_square) / threshold)
 
 
-def parameter_scale(
-    param: jax.Array, batch_axes: tuple[int, ...], min_scale: Any, max_scale: Any | None
-) -> jax.Array:
-  r""":math:`\min(\max(\mathrm{rms}(p), p_{\min}), p_{\max})`, per batch slice.
-
-  NaN in the params stays NaN (and is caught by the finiteness check), where a
-  ``maximum`` could clamp it away on some backends.
-  """
+def param_rms(param: jax.Array, batch_axes: tuple[int, ...]) -> jax.Array:
+  r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in the compute dtype."""
   ct = numerics.compute_dtype(param.dtype)
-  real_ct = numerics.real_dtype(ct)
   # Read the param on its own, so the upcast fuses into this reduction and no
   # float32 copy of a narrow param is kept for later passes.
-  rms = jnp.sqrt(numerics.mean_abs_sq(xla_hints.fresh_read(param).astype(ct), batch_axes))
+  return jnp.sqrt(numerics.mean_abs_sq(xla_hints.fresh_read(param).astype(ct), batch_axes))
+
+
+def parameter_scale(rms: jax.Array, min_scale: Any, max_scale: Any | None) -> jax.Array:
+  r""":math:`\min(\max(\mathrm{rms}(p), p_{\min}), p_{\max})`.
+
+  Written as a select so that NaN in the params stays NaN, where a ``maximum`` could
+  clamp it away on some backends.
+  """
+  real_ct = rms.dtype
   min_scale = jnp.asarray(min_scale, real_ct)
   scale = jnp.where(rms <= min_scale, min_scale, rms)
   if max_scale is not None:
@@ -329,13 +331,23 @@ def leaf_scaling(
     finite &= jnp.isfinite(learning_rate)
     multiplier = times(learning_rate)
   if settings.min_parameter_scale is not None:
-    scale = parameter_scale(param, plan.batch_axes, settings.min_parameter_scale,
-                            settings.max_parameter_scale)
-    finite &= numerics.all_finite(scale)
-    multiplier = times(scale)
+    rms = param_rms(param, plan.batch_axes)
+    # Checked before the clamp: the flag then reads the reduction, not the select, and
+    # XLA does not copy the clamp into the flag's kernel.
+    finite &= numerics.all_finite(rms)
+    multiplier = times(parameter_scale(rms, settings.min_parameter_scale,
+                                       settings.max_parameter_scale))
   elif settings.weight_decay_rate is not None:
     finite &= numerics.all_finite(param)
   return new_moment, LeafScaling(factors, multiplier), finite
+
+
+def _gated(step_finite: jax.Array | None, scale: ScaleFactors) -> ScaleFactors:
+  """The factors zeroed on a skipped step (the cap is a constant and needs no gate)."""
+  if step_finite is None:
+    return xla_hints.unmergeable(None, scale)
+  factors, poison = xla_hints.unmergeable(step_finite, (scale.factors, scale.poison))
+  return ScaleFactors(factors, scale.cap, poison)
 
 
 def leaf_update(
@@ -351,8 +363,7 @@ def leaf_update(
     ``(update, new_momentum)``; the update is in the gradient's dtype.
   """
   ct = numerics.compute_dtype(grad.dtype)
-  update = scale_by_factors(grad.astype(ct),
-                            xla_hints.unmergeable(step_finite, scaling.factors))
+  update = scale_by_factors(grad.astype(ct), _gated(step_finite, scaling.factors))
   if scaling.multiplier is not None:
     update = update * scaling.multiplier.astype(ct)
   new_momentum = None
