@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import numerics, placement, xla_hints
+from optax_safefactor._src import numerics, placement, rounding, xla_hints
 from optax_safefactor._src.plan import FactorPlan
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
 
@@ -64,6 +64,59 @@ Moment = FactoredMoment | FullMoment
 
 def is_moment(x: Any) -> bool:
   return isinstance(x, (FactoredMoment, FullMoment))
+
+
+# Writing wide values into narrow arrays ----------------------------------------------
+
+
+class Rounding(NamedTuple):
+  """How one leaf writes wide values into narrow params and state this step.
+
+  Attributes:
+    mode: ``"nearest"``, ``"stochastic"`` or ``"kahan"`` (see ``rounding.py``).
+    seed: the stochastic rounding's seed.
+    step: the applied-step count: a skipped step does not advance it, so it
+      consumes no bits.
+    path_hash: the leaf's stable path hash; with the element's global index and a
+      stream it picks each element's bits.
+  """
+
+  mode: str
+  seed: int
+  step: jax.Array
+  path_hash: int
+
+  def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
+    return rounding.random_bits(self.seed, self.step, self.path_hash, shape, stream)
+
+
+def store(x: jax.Array, dtype: Any, how: Rounding | None, stream: int) -> jax.Array:
+  r"""``x`` written into state of ``dtype``: rounded to nearest, or stochastically
+  (:math:`\mathbb{E}[\mathrm{store}(x)] = x`) with ``"stochastic"`` rounding when ``dtype``
+  is narrower than ``x``, so that a bfloat16 moving average keeps moving."""
+  if how is None or how.mode != "stochastic" or not rounding.needs_rounding(dtype, x.dtype):
+    return x.astype(dtype)
+  return rounding.stochastic_round(x, dtype, how.bits(x.shape, stream))
+
+
+def write_back(
+    update: jax.Array, param: jax.Array | None, dtype: Any, how: Rounding | None,
+    compensation: jax.Array | None,
+) -> tuple[jax.Array, jax.Array | None]:
+  r"""The update :math:`\Delta` in ``dtype``, and the new Kahan compensation.
+
+  ``"nearest"`` (and every wide param): :math:`\Delta = \mathrm{cast}(u)`, finite
+  values clamped to the dtype's range. ``"stochastic"``: :math:`\Delta` lands the
+  param on :math:`\mathrm{round}_{\mathrm{stoch}}(p + u)`. ``"kahan"``: it lands on
+  :math:`\mathrm{round}(p + u + c)`, and :math:`c` keeps what that rounding lost.
+  """
+  if (how is None or how.mode == "nearest"
+      or not rounding.needs_rounding(param.dtype, update.dtype)):
+    return numerics.saturating_cast(update, dtype), compensation
+  if how.mode == "stochastic":
+    bits = how.bits(param.shape, rounding.STREAM_PARAMS)
+    return rounding.stochastic_write_back(param, update, bits), compensation
+  return rounding.kahan_write_back(param, update, compensation)
 
 
 # Schedules -------------------------------------------------------------------------
@@ -122,14 +175,16 @@ def init_moment(param: Any, plan: FactorPlan, state_dtype: Any, eps: Any) -> Mom
   )
 
 
-def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
+def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array, how: Rounding | None,
+           stream: int) -> jax.Array:
   r""":math:`\beta\,\mathrm{old} + (1-\beta)\,\mathrm{new}`, stored in ``old``'s dtype."""
   blended = beta2 * old.astype(new_mean.dtype) + (1 - beta2) * new_mean
-  return blended.astype(old.dtype)
+  return store(blended, old.dtype, how, stream)
 
 
 def update_second_moment(
-    grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any
+    grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any,
+    how: Rounding | None = None,
 ) -> Moment:
   r"""The new statistics: :math:`r_t = \beta r + (1-\beta)\,\mathrm{mean}_C(|g|^2+\epsilon)`,
   :math:`c_t = \beta c + (1-\beta)\,\mathrm{mean}_R(|g|^2+\epsilon)` (keepdims), or
@@ -138,14 +193,16 @@ def update_second_moment(
   eps = jnp.asarray(eps, numerics.real_dtype(ct))
   beta2 = beta2.astype(numerics.real_dtype(ct))
   if isinstance(moment, FullMoment):
-    return FullMoment(_blend(moment.v, numerics.abs_sq(grad.astype(ct)) + eps, beta2))
+    return FullMoment(_blend(moment.v, numerics.abs_sq(grad.astype(ct)) + eps, beta2, how,
+                             rounding.STREAM_STATISTICS))
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
   row_mean = jnp.mean(numerics.abs_sq(grad_for_rows.astype(ct)), plan.col_axes,
                       keepdims=True) + eps
   col_mean = jnp.mean(numerics.abs_sq(grad_for_cols.astype(ct)), plan.row_axes,
                       keepdims=True) + eps
-  return FactoredMoment(_blend(moment.v_row, row_mean, beta2),
-                        _blend(moment.v_col, col_mean, beta2))
+  return FactoredMoment(_blend(moment.v_row, row_mean, beta2, how, rounding.STREAM_STATISTICS),
+                        _blend(moment.v_col, col_mean, beta2, how,
+                               rounding.STREAM_COLUMN_STATISTICS))
 
 
 class ScaleFactors(NamedTuple):
@@ -263,12 +320,6 @@ def decoupled_weight_decay(
   return update + decay
 
 
-def final_update(update: jax.Array, dtype: Any, negate: bool) -> jax.Array:
-  r""":math:`\Delta = \mathrm{cast}(-u)` (or :math:`\mathrm{cast}(u)` for a building block),
-  finite values clamped to the dtype's range."""
-  return numerics.saturating_cast(-update if negate else update, dtype)
-
-
 # The two halves of a leaf's step -----------------------------------------------------
 
 
@@ -289,6 +340,7 @@ class LeafSettings(NamedTuple):
   weight_decay_rate: Any | None
   weight_decay_mask: jax.Array | None
   negate: bool
+  rounding: Rounding | None
 
 
 class LeafScaling(NamedTuple):
@@ -313,7 +365,8 @@ def leaf_scaling(
   ct = numerics.compute_dtype(grad.dtype)
   real_ct = numerics.real_dtype(ct)
   clipping = settings.clipping_threshold is not None
-  new_moment = update_second_moment(grad, moment, plan, settings.beta2, settings.eps)
+  new_moment = update_second_moment(grad, moment, plan, settings.beta2, settings.eps,
+                                    settings.rounding)
   # With clipping, the statistics' finiteness rides on the clipping reduction.
   factors, finite = scale_factors(new_moment, plan, settings.eps, ct, poison=clipping)
   multiplier = None
@@ -352,15 +405,16 @@ def _gated(step_finite: jax.Array | None, scale: ScaleFactors) -> ScaleFactors:
 
 def leaf_update(
     step_finite: jax.Array | None, grad: jax.Array, scaling: LeafScaling,
-    momentum: jax.Array | None, param: jax.Array | None, settings: LeafSettings,
-) -> tuple[jax.Array, jax.Array | None]:
+    momentum: jax.Array | None, param: jax.Array | None, compensation: jax.Array | None,
+    settings: LeafSettings,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """Second half: the update, scaled again from the gradient, with the skip applied.
 
   ``step_finite`` is ``None`` without a guard, else the step's scalar verdict: a
-  skipped step gives zero updates and the old momentum, exactly.
+  skipped step gives zero updates and the old momentum and compensation, exactly.
 
   Returns:
-    ``(update, new_momentum)``; the update is in the gradient's dtype.
+    ``(update, new_momentum, new_compensation)``; the update is in the gradient's dtype.
   """
   ct = numerics.compute_dtype(grad.dtype)
   update = scale_by_factors(grad.astype(ct), _gated(step_finite, scaling.factors))
@@ -369,12 +423,16 @@ def leaf_update(
   new_momentum = None
   if momentum is not None:
     blended = momentum_blend(update, momentum, settings.momentum)
-    new_momentum = keep_unless_skipped(step_finite, blended.astype(momentum.dtype), momentum)
+    stored = store(blended, momentum.dtype, settings.rounding, rounding.STREAM_MOMENTUM)
+    new_momentum = keep_unless_skipped(step_finite, stored, momentum)
     # Reading the update back from the kept state lets the state be written in place;
     # when the state is narrower than the compute dtype, use the exact value.
     update = new_momentum if np.dtype(momentum.dtype) == np.dtype(ct) else blended
   if settings.weight_decay_rate is not None:
     update = decoupled_weight_decay(update, param, settings.weight_decay_rate,
                                     settings.weight_decay_mask)
-  update = final_update(update, grad.dtype, settings.negate)
-  return zero_if_skipped(step_finite, update), new_momentum
+  update, new_compensation = write_back(-update if settings.negate else update, param,
+                                        grad.dtype, settings.rounding, compensation)
+  if compensation is not None:
+    new_compensation = keep_unless_skipped(step_finite, new_compensation, compensation)
+  return zero_if_skipped(step_finite, update), new_momentum, new_compensation

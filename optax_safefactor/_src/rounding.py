@@ -39,6 +39,7 @@ ROUNDING_MODES = ("nearest", "stochastic", "kahan")
 STREAM_PARAMS = 0
 STREAM_MOMENTUM = 1
 STREAM_STATISTICS = 2
+STREAM_COLUMN_STATISTICS = 3
 
 _NARROW_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _WORD = 2**32

@@ -16,7 +16,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_safefactor._src import checks, guard, kernel, numerics, placement, xla_hints
+from optax_safefactor._src import (
+    checks,
+    guard,
+    kernel,
+    numerics,
+    placement,
+    rounding,
+    xla_hints,
+)
 from optax_safefactor._src.hyperparams import Hyperparams, momentum_dtype, value_at
 from optax_safefactor._src.plan import Planner
 from optax_safefactor._src.trees import keep_unless_skipped, unzip_leaf_results
@@ -30,11 +38,15 @@ class AdafactorState(NamedTuple):
       and learning-rate schedules.
     second_moment: one :class:`FactoredMoment` or :class:`FullMoment` per leaf.
     momentum: the first moment per leaf, or ``None`` when momentum is off.
+    compensation: with ``param_rounding="kahan"``, per bfloat16/float16 param what
+      rounding lost, in the param's dtype and placed like it (``None`` for wider
+      params); ``None`` in the other modes.
   """
 
   count: jax.Array
   second_moment: Any
   momentum: Any = None
+  compensation: Any = None
 
 
 def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
@@ -45,8 +57,12 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
 
 
-def _leaf_settings(hp: Hyperparams, count: jax.Array, beta2_for, grad, decay_mask):
+def _leaf_settings(hp: Hyperparams, count: jax.Array, beta2_for, path, grad, decay_mask):
   """One leaf's :class:`kernel.LeafSettings` for this step."""
+  how = None
+  if hp.param_rounding != "nearest":
+    how = kernel.Rounding(hp.param_rounding, hp.rounding_seed, count,
+                          rounding.path_hash(path))
   weight_decay_rate = None
   mask = None
   if hp.weight_decay_rate is not None and decay_mask is not False:
@@ -63,6 +79,7 @@ def _leaf_settings(hp: Hyperparams, count: jax.Array, beta2_for, grad, decay_mas
       weight_decay_rate=weight_decay_rate,
       weight_decay_mask=mask,
       negate=hp.negate_updates,
+      rounding=how,
   )
 
 
@@ -86,7 +103,16 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                                     momentum_dtype(hp.dtype_momentum, value.dtype))
 
       first_moment = jax.tree.map(zeros_like_param, params, is_leaf=placement.is_box)
-    state = AdafactorState(jnp.zeros([], jnp.int32), second_moment, first_moment)
+    compensation = None
+    if hp.param_rounding == "kahan":
+      def zeros_if_narrow(param):
+        value = placement.unbox(param)
+        if not rounding.needs_rounding(value.dtype, numerics.compute_dtype(value.dtype)):
+          return None
+        return placement.state_like(param, value.shape, 0, value.dtype)
+
+      compensation = jax.tree.map(zeros_if_narrow, params, is_leaf=placement.is_box)
+    state = AdafactorState(jnp.zeros([], jnp.int32), second_moment, first_moment, compensation)
     return guard.init_guarded(state, params) if guarded else state
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -127,7 +153,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     params_tree = none_tree if params is None else params
     masks = (_decay_masks(hp.weight_decay_mask, updates) if hp.weight_decay_rate is not None
              else none_tree)
-    settings = jax.tree.map(partial(_leaf_settings, hp, inner.count, beta2_for), updates, masks)
+    settings = jax.tree_util.tree_map_with_path(
+        partial(_leaf_settings, hp, inner.count, beta2_for), updates, masks)
     # Every tree below is read up to the structure of ``updates``: a per-leaf value
     # (a moment, a plan, settings) arrives whole.
     first_half = jax.tree.map(kernel.leaf_scaling, updates, inner.second_moment, params_tree,
@@ -137,13 +164,15 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
     second_half = jax.tree.map(
         partial(kernel.leaf_update, step_finite), updates, scalings,
-        none_tree if hp.momentum is None else inner.momentum, params_tree, settings,
+        none_tree if hp.momentum is None else inner.momentum, params_tree,
+        none_tree if inner.compensation is None else inner.compensation, settings,
     )
-    new_updates, new_first = unzip_leaf_results(updates, second_half, 2)
+    new_updates, new_first, new_compensation = unzip_leaf_results(updates, second_half, 3)
     new_inner = AdafactorState(
         keep_unless_skipped(step_finite, optax.safe_increment(inner.count), inner.count),
         jax.tree.map(partial(keep_unless_skipped, step_finite), new_second, inner.second_moment),
         new_first if hp.momentum is not None else None,
+        new_compensation if inner.compensation is not None else None,
     )
     if not guarded:
       return new_updates, new_inner
