@@ -10,7 +10,6 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from optax_safefactor._src.plan import default_plan
 from tests.helpers import (
   assert_trees_close,
   is_all_zero,
@@ -19,7 +18,7 @@ from tests.helpers import (
   run_steps,
   tree_all_finite,
 )
-from tests.reference import ReferenceAdafactor
+from tests.reference import ReferenceAdafactor, reference_plan
 
 SHAPES = {
     "tall": (300, 140),
@@ -76,10 +75,7 @@ def test_matches_optax_adafactor_on_healthy_float32(config, rng):
 @pytest.mark.parametrize("config", COMBINATIONS[::3], ids=_id)
 def test_matches_float64_reference_step_by_step(config, rng):
   params = random_tree(rng, SHAPES)
-  reference = ReferenceAdafactor(learning_rate=0.05, **config)
-  for name, value in params.items():
-    plan = default_plan(value.shape, True, 128)
-    reference.init(name, value.shape, None if plan is None else tuple(plan))
+  reference = ReferenceAdafactor(learning_rate=0.05, **config).init_all(params)
   tx = osf.safefactor(0.05, **config)
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -93,6 +89,9 @@ def test_matches_float64_reference_step_by_step(config, rng):
     params = optax.apply_updates(params, updates)
     reference_params = {k: reference_params[k] + expected[k] for k in SHAPES}
   assert tree_all_finite(state)
+  # The applied params are the reference's float64 sum of the same updates: no update
+  # was dropped, scaled or applied twice on the way (30 float32 roundings of ~1e-7).
+  assert_trees_close(params, reference_params, rtol=1e-5)
 
 
 def test_learning_rate_schedule_and_count(rng):
@@ -227,3 +226,82 @@ def test_first_steps_compile_once(rng):
   for _ in range(3):
     params, state = step(params, state)
   assert step._cache_size() == 1
+
+
+def test_state_shapes_follow_the_factoring_rule():
+  """Each statistic's shape, from the reference's rule: the two largest axes, both at
+  least ``min_dim_size_to_factor``; ``factored=False`` keeps every leaf whole.
+
+  Guards against the rule reading the wrong axis (e.g. factoring a (300, 100) leaf
+  because its larger axis passes the minimum) and against ``factored`` being ignored.
+  """
+  shapes = [(300, 140), (140, 300), (300, 100), (100, 300), (128, 128), (127, 300),
+            (3, 130, 150), (150, 3, 130), (5, 7), (150,), ()]
+  params = {f"p{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i, shape in enumerate(shapes)}
+  for factored in (True, False):
+    state = jax.eval_shape(osf.safefactor(0.1, factored=factored).init, params)
+    for name, param in params.items():
+      moment = state.inner_state.second_moment[name]
+      plan = reference_plan(param.shape, factored, 128)
+      if plan is None:
+        assert isinstance(moment, osf.FullMoment) and moment.v.shape == param.shape, name
+        continue
+      row_axes, col_axes = plan
+      assert moment.v_row.shape == tuple(
+          1 if a in col_axes else s for a, s in enumerate(param.shape)), name
+      assert moment.v_col.shape == tuple(
+          1 if a in row_axes else s for a, s in enumerate(param.shape)), name
+    assert factored or all(isinstance(m, osf.FullMoment)
+                           for m in state.inner_state.second_moment.values())
+
+
+@pytest.mark.parametrize("factory", ["safefactor", "scale_by_safe_factored_rms"])
+def test_factored_false_matches_the_unfactored_reference(factory, rng):
+  # Guards against factored=False being ignored: these leaves would all be factored.
+  shapes = {"w": (24, 20), "stacked": (3, 10, 12), "b": (20,)}
+  params = random_tree(rng, shapes)
+  if factory == "safefactor":
+    tx = osf.safefactor(0.1, factored=False, min_dim_size_to_factor=4, momentum=0.9)
+    reference = ReferenceAdafactor(learning_rate=0.1, momentum=0.9)
+  else:
+    tx = osf.scale_by_safe_factored_rms(factored=False, min_dim_size_to_factor=4)
+    reference = ReferenceAdafactor(multiply_by_parameter_scale=False, clipping_threshold=None)
+  reference.init_all(params, factored=False)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for step in range(3):
+    grads = random_tree(rng, shapes, scale=10.0 ** (step - 1))
+    updates, state = update(grads, state, params)
+    expected = reference.step(grads, params)
+    for name in shapes:
+      # scale_by_safe_factored_rms returns the scaled gradient, the reference its negative.
+      sign = -1.0 if factory == "scale_by_safe_factored_rms" else 1.0
+      assert max_relative_error(updates[name], sign * expected[name]) < 2e-5, (step, name)
+
+
+def test_complex_params_match_the_reference(rng):
+  # Complex leaves: real statistics of |g|**2, a real clipping RMS and parameter scale.
+  # Guards against a second moment of Re(g)**2 (or g*g), which keeps the update's phase
+  # (the other complex test checks only that) but not its size.
+  shapes = {"z": (24, 20), "c": (20,)}
+
+  def complex_tree():
+    return {k: jnp.asarray(rng.normal(size=s) + 1j * rng.normal(size=s), jnp.complex64)
+            for k, s in shapes.items()}
+
+  params = complex_tree()
+  tx = osf.safefactor(0.1, min_dim_size_to_factor=8, momentum=0.9)
+  reference = ReferenceAdafactor(learning_rate=0.1, momentum=0.9)
+  reference.init_all(params, min_dim_size_to_factor=8)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for step in range(3):
+    grads = complex_tree()
+    updates, state = update(grads, state, params)
+    expected = reference.step(grads, params)
+    for name in shapes:
+      assert updates[name].dtype == jnp.complex64
+      # (max_relative_error casts to float64, which would drop the imaginary part.)
+      error = np.max(np.abs(np.asarray(updates[name], np.complex128) - expected[name]))
+      assert error < 2e-5 * np.max(np.abs(expected[name])), (step, name)
+    params = optax.apply_updates(params, updates)
