@@ -1,5 +1,7 @@
 """One contract for every public factory: it behaves as an optax citizen inside every wrapper."""
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,8 @@ import optax
 import pytest
 
 import optax_safefactor as osf
+from tests.helpers import max_relative_error
+from tests.reference import ReferenceAdafactor
 
 FACTORIES = {
     "safefactor": lambda: osf.safefactor(0.1),
@@ -37,26 +41,58 @@ def _loss(params):
   return sum(jnp.sum((params[k] - TARGET[k]) ** 2) for k in ("w", "b"))
 
 
+# Each factory as the float64 reference: its config and min_dim_size_to_factor.
+REFERENCE_CONFIGS = {
+    "safefactor": (dict(learning_rate=0.1), 128),
+    "safefactor_momentum": (dict(learning_rate=0.1, momentum=0.9, weight_decay_rate=1e-4), 128),
+    # scale(-0.02) after the scaling: a learning rate of 0.02 and nothing else.
+    "scale_by_safe_factored_rms": (
+        dict(learning_rate=0.02, multiply_by_parameter_scale=False, clipping_threshold=None), 8),
+    "skip_nonfinite": (
+        dict(learning_rate=0.02, multiply_by_parameter_scale=False, clipping_threshold=None), 128),
+}
+
+
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 @pytest.mark.parametrize("factory", sorted(FACTORIES))
 def test_factory_inside_wrapper(factory, wrapper):
   tx = WRAPPERS[wrapper](FACTORIES[factory]())
   params = {"w": jnp.zeros((16, 12)) + 0.1, "b": jnp.zeros((12,)) + 0.1, "frozen": jnp.ones((3,))}
-  initial_loss = float(_loss(params))
   state = tx.init(params)
+  config, min_dim = REFERENCE_CONFIGS[factory]
+  reference = ReferenceAdafactor(**config).init_all(
+      {k: params[k] for k in ("w", "b")}, min_dim_size_to_factor=min_dim)
   traces = []
 
   @jax.jit
   def step(params, state):
     traces.append(1)
-    updates, state = tx.update(jax.grad(_loss)(params), state, params)
-    return optax.apply_updates(params, updates), state
+    grads = jax.grad(_loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, grads, updates
 
   with jax.numpy_dtype_promotion("standard"):  # optax's own wrappers mix dtypes
-    for _ in range(60):
-      params, state = step(params, state)
+    for i in range(60):
+      before = {k: np.asarray(params[k], np.float64) for k in ("w", "b")}
+      params, state, grads, updates = step(params, state)
+      # Every update is the float64 reference's, given the same params and gradients:
+      # "the loss went down" (the old check) passes a sign error in one leaf, a wrong
+      # learning rate or a dropped momentum. MultiSteps applies the mean of two equal
+      # gradients (params do not move in between) on every second call.
+      if wrapper == "multi_steps" and i % 2 == 0:
+        assert all(not np.any(np.asarray(updates[k])) for k in ("w", "b"))
+        continue
+      grads = {k: np.asarray(grads[k], np.float64) for k in ("w", "b")}
+      if wrapper == "chain":  # clip_by_global_norm(10.0): it binds on the first steps
+        norm = np.sqrt(sum(np.sum(g**2) for g in grads.values()))
+        grads = {k: g * min(1.0, 10.0 / norm) for k, g in grads.items()}
+      expected = reference.step(grads, before)
+      # Relative to the step's largest update: momentum and weight decay can cancel
+      # in one leaf near the optimum.
+      step_scale = max(float(np.max(np.abs(u))) for u in expected.values())
+      for k in ("w", "b"):
+        assert max_relative_error(updates[k], expected[k], step_scale) < 2e-5, (i, k)
   assert len(traces) == 1, "the second step must not recompile"
-  assert float(_loss(params)) < 0.5 * initial_loss
   if wrapper in ("multi_transform", "masked"):
     np.testing.assert_array_equal(params["frozen"], jnp.ones((3,)))
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
@@ -75,11 +111,16 @@ def test_tree_get_count_is_unique_and_counts_steps():
 @pytest.mark.parametrize("name,first,second", [
     ("learning_rate", 0.0, 0.1),
     ("decay_rate", 0.8, 0.5),
-    ("clipping_threshold", 1.0, 5.0),
+    ("clipping_threshold", 1.1, 4.0),  # the update's RMS is 1.27: the first binds
     ("momentum", 0.0, 0.9),
     ("weight_decay_rate", 0.0, 0.5),
 ])
 def test_injected_hyperparameters_change_without_recompiling(name, first, second):
+  """Each injected value is used as given: updates equal the float64 reference's.
+
+  Guards against a hyperparameter read once at construction (or cast, or ignored
+  under ``inject_hyperparams``), and against clipping that is only right at 1.0.
+  """
   params = {"w": jnp.linspace(0.1, 2.0, 16 * 12).reshape(16, 12)}
   rng = np.random.default_rng(0)
   grads = {"w": jnp.asarray(rng.normal(size=(16, 12)), jnp.float32)}
@@ -87,6 +128,7 @@ def test_injected_hyperparameters_change_without_recompiling(name, first, second
             "decay_rate": 0.8, "clipping_threshold": 1.0, name: first}
   tx = optax.inject_hyperparams(osf.safefactor)(min_dim_size_to_factor=8, **config)
   state = tx.init(params)
+  reference = ReferenceAdafactor(**config).init_all(params, min_dim_size_to_factor=8)
   traces = []
 
   @jax.jit
@@ -96,9 +138,15 @@ def test_injected_hyperparameters_change_without_recompiling(name, first, second
 
   # Step 0 has beta2 = 0 whatever the decay rate: compare at step 1, with new gradients.
   _, state = update(state, grads)
+  reference.step(grads, params)
   later_grads = {"w": jnp.asarray(rng.normal(size=(16, 12)) * 3.0, jnp.float32)}
   with_first, _ = update(state, later_grads)
   state.hyperparams[name] = jnp.asarray(second, jnp.float32)
   with_second, _ = update(state, later_grads)
   assert len(traces) == 1
+  for value, result in ((first, with_first), (second, with_second)):
+    expected = copy.deepcopy(reference)
+    setattr(expected, name, value)
+    error = max_relative_error(result["w"], expected.step(later_grads, params)["w"])
+    assert error < 2e-5, (name, value, error)
   assert not np.allclose(with_first["w"], with_second["w"])

@@ -22,14 +22,16 @@ from tests.helpers import (
 SHAPES = {"w": (130, 140), "b": (140,)}
 
 
-def _one_step(grad_value, dtype=jnp.float32, momentum=None):
+def _one_step(grad_value, dtype=jnp.float32, momentum=None, eps=1e-30):
   params = {k: jnp.full(s, 0.5, dtype) for k, s in SHAPES.items()}
-  grads = {"w": jnp.asarray(grad_value, dtype) * jnp.ones(SHAPES["w"], dtype),
+  # Built on the host: an eager ``value * ones`` runs through XLA, which flushes a
+  # subnormal to 0 on CPU and would silently test the zero gradient again.
+  grads = {"w": jnp.asarray(np.full(SHAPES["w"], grad_value, np.dtype(dtype))),
            "b": jnp.ones(SHAPES["b"], dtype)}
-  tx = osf.safefactor(0.01, momentum=momentum)
+  tx = osf.safefactor(0.01, momentum=momentum, eps=eps)
   state = tx.init(params)
   updates, new_state = jax.jit(tx.update)(grads, state, params)
-  return state, updates, new_state
+  return state, grads, updates, new_state
 
 
 @pytest.mark.parametrize("value,skipped", [
@@ -39,7 +41,7 @@ def _one_step(grad_value, dtype=jnp.float32, momentum=None):
     (0.0, False),
 ])
 def test_gradient_value_matrix(value, skipped):
-  state, updates, new_state = _one_step(value, momentum=0.9)
+  state, _, updates, new_state = _one_step(value, momentum=0.9)
   assert int(osf.skipped_steps(new_state)) == int(skipped)
   assert tree_all_finite((updates, new_state))
   if skipped:
@@ -50,6 +52,30 @@ def test_gradient_value_matrix(value, skipped):
     assert osf.nonfinite_report(new_state)["nonfinite_steps/params['w']"] == 1
   elif value == 0.0:
     assert is_all_zero(updates["w"])
+
+
+@pytest.mark.parametrize("eps", [1e-30, 0.0])
+def test_float32_subnormal_gradients(eps):
+  """Subnormal gradients (1e-45) give a finite, tiny or zero update, and no skip.
+
+  XLA on CPU flushes subnormals inside a computation, so the update is computed from
+  zeros there (elsewhere, 1e-45 / sqrt(eps) at most): what the package promises is
+  that nothing becomes Inf or NaN. With ``eps=0`` the squares add nothing to the
+  state, so this guards against a missing floor under the rsqrt (0/0 would make the
+  step NaN, and skipped) as well as against NaN from the subnormals themselves.
+  """
+  state, grads, updates, new_state = _one_step(1e-45, momentum=0.9, eps=eps)
+  held = np.asarray(grads["w"])
+  assert np.all(held > 0) and np.all(held < np.finfo(np.float32).tiny)  # really subnormal
+  assert int(osf.skipped_steps(new_state)) == 0
+  assert tree_all_finite((updates, new_state))
+  assert float(jnp.max(jnp.abs(updates["w"]))) < 1e-30
+  moment = new_state.inner_state.second_moment["w"]
+  for stat in (moment.v_row, moment.v_col):
+    # beta2 is 0 on the first step: the statistics are the mean of g**2 + eps, with
+    # g**2 at most 2e-90 (underflowing to 0 in float32).
+    np.testing.assert_allclose(stat, np.float32(eps), rtol=1e-6, atol=0)
+  assert int(state.inner_state.count) == 0 and int(new_state.inner_state.count) == 1
 
 
 def test_mixture_of_bad_values_is_one_skipped_step():
@@ -133,7 +159,10 @@ def test_ten_thousand_float16_steps_with_dead_units_and_nan_batches():
   assert report["skipped_steps"] == len(poisoned) and report["steps"] == steps
   assert report["last_nonfinite_step/params['hidden']"] == int(poisoned[-1])
   assert int(state.inner_state.count) == steps - len(poisoned)
-  assert float(loss(params)) < 0.9 * initial_loss
+  # Measured: 1.49 at the start, 0.0010 at the end and at most 0.0020 over the last 1000
+  # steps (float16 noise); without momentum 0.0038. The old bound, 0.9 of the initial
+  # loss, passed any run that learned at all; this one needs the loss to fall by 99.7%.
+  assert initial_loss > 1.0 and float(loss(params)) < 0.005
   np.testing.assert_array_equal(params["bias"][-DEAD_UNITS:], np.full(DEAD_UNITS, -1e3, np.float16))
 
 
@@ -165,7 +194,8 @@ def test_checked_mode_with_chexify():
   step, state, good, bad = _checked_step()
   checked = chex.chexify(jax.jit(step))
   _, state = checked(state, good)
-  with pytest.raises(Exception, match=r"params\['dense'\]\['kernel'\]: non-finite"):
+  with pytest.raises(checkify.JaxRuntimeError,
+                     match=r"params\['dense'\]\['kernel'\]: non-finite"):
     checked(state, bad)
     chex.block_until_chexify_assertions_complete()
 

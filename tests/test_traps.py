@@ -19,10 +19,12 @@ from tests.helpers import (
   assert_trees_close,
   assert_trees_equal,
   is_all_zero,
+  max_relative_error,
   random_tree,
   run_steps,
   tree_all_finite,
 )
+from tests.reference import ReferenceAdafactor
 
 
 def _float16_problem(gradient_value: float):
@@ -95,24 +97,57 @@ def test_bfloat16_state_tracks_float32_after_gradient_jump():
   ), "optax's bfloat16 state is expected to lag"
 
 
+_TALL_CONFIG = dict(learning_rate=0.1, min_dim_size_to_factor=4, momentum=0.9)
+
+
 def _update_of(param_shape, grads_sequence, **config):
-  tx = osf.safefactor(0.1, min_dim_size_to_factor=4, momentum=0.9, **config)
+  tx = osf.safefactor(**{**_TALL_CONFIG, **config})
   params = {"w": jnp.linspace(-1.0, 1.0, int(np.prod(param_shape))).reshape(param_shape)}
   state = tx.init(params)
+  update = jax.jit(tx.update)  # one compilation per shape: eager dispatch is far slower
   for grads in grads_sequence:
-    updates, state = tx.update({"w": grads}, state, params)
+    updates, state = update({"w": grads}, state, params)
   return updates["w"]
 
 
-def test_tall_matrix_update_is_transpose_of_wide(rng):
-  grads = [jnp.asarray(rng.normal(size=(30, 20)), jnp.float32) for _ in range(3)]
+def _reference_update_of(param_shape, grads_sequence):
+  """The float64 reference's last update for ``_update_of``'s problem, and the reference."""
+  params = {"w": np.linspace(-1.0, 1.0, int(np.prod(param_shape))).reshape(param_shape)}
+  config = dict(_TALL_CONFIG)
+  min_dim = config.pop("min_dim_size_to_factor")
+  reference = ReferenceAdafactor(**config).init_all(params, min_dim_size_to_factor=min_dim)
+  for grads in grads_sequence:
+    expected = reference.step({"w": np.asarray(grads)}, params)
+  return expected["w"], reference
+
+
+def _rows_and_columns_of_different_scales(rng, shape, steps=3):
+  # Scales that vary along both axes, so that neither factor is close to 1.
+  scales = np.outer(np.linspace(0.1, 3.0, shape[0]), np.linspace(3.0, 0.2, shape[1]))
+  return [jnp.asarray(rng.normal(size=shape) * scales, jnp.float32) for _ in range(steps)]
+
+
+def test_tall_matrix_update_matches_the_reference(rng):
+  """Guards against the timm AdafactorBigVision bug (fixed in its PR 2749).
+
+  Its state keeps the reduced axis, but the normaliser (the mean of the row statistic)
+  was taken over the column axes, where that statistic already has size 1: the row
+  factor ``sqrt(mean(v_row) / v_row)`` became exactly 1 for tall matrices. That bug is
+  the same for a matrix and its transpose, so only a comparison of one matrix's
+  update with the float64 reference (exact formulas) can see it.
+  """
+  grads = _rows_and_columns_of_different_scales(rng, (30, 20))
   tall = _update_of((30, 20), grads)
+  expected, reference = _reference_update_of((30, 20), grads)
+  assert max_relative_error(tall, expected) < 1e-5
+  # The row factor is far from 1 here, so the timm bug moves the update by far more
+  # than the tolerance above.
+  row = reference.row["w"]
+  row_factor = np.sqrt(row.mean(axis=reference.plans["w"][0], keepdims=True) / row)
+  assert np.ptp(row_factor) > 0.5, row_factor
+  # And the orientation does not matter: the tall update is the wide one's transpose.
   wide = _update_of((20, 30), [g.T for g in grads])
   assert_trees_close(tall, wide.T, rtol=1e-5)
-  # The row normaliser must act: compare with the column factor alone (the timm bug).
-  col_only = grads[-1] / jnp.sqrt(jnp.mean(grads[-1] ** 2, axis=0, keepdims=True))
-  assert not np.allclose(tall / jnp.linalg.norm(tall), -col_only / jnp.linalg.norm(col_only),
-                         rtol=1e-3)
 
 
 @settings(max_examples=8)
@@ -130,6 +165,11 @@ def test_update_is_equivariant_under_axis_permutations(shape, data):
   # The parameter values differ under permutation only by position; the parameter
   # scale is an RMS, so it is invariant too.
   assert_trees_close(jnp.transpose(original, permutation), permuted, rtol=1e-5)
+  # Equivariance cannot see a bug that every orientation shares (a normaliser over the
+  # wrong axes, a batch axis reduced away): the unpermuted update must also equal the
+  # float64 reference's.
+  expected, _ = _reference_update_of(tuple(shape), grads)
+  assert max_relative_error(original, expected) < 1e-5
 
 
 def _poisoned_run(poison, momentum, steps=8, poisoned_step=3):
