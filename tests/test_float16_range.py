@@ -1,0 +1,61 @@
+"""float16 updates beyond float16's range are clamped to +-65504, never Inf.
+
+The README promises that updates are "cast back to the gradient dtype, clamped to its
+finite range". The skip decision is taken on float32 statistics before that cast, so
+a plain ``astype`` would turn a finite float32 update of 1e5 into Inf after the guard
+has already passed it: Inf params on the next ``apply_updates``, with nothing skipped.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_safefactor as osf
+from tests.reference import ReferenceAdafactor
+
+FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)  # 65504
+
+
+def _problem():
+  rng = np.random.default_rng(0)
+  scales = np.outer(np.linspace(0.2, 2.0, 24), np.linspace(2.0, 0.3, 20))
+  params = {"w": jnp.asarray(rng.normal(size=(24, 20)), jnp.float16),
+            "b": jnp.asarray(rng.normal(size=(20,)), jnp.float16)}
+  grads = {"w": jnp.asarray(rng.normal(size=(24, 20)) * scales, jnp.float16),
+           "b": jnp.asarray(rng.normal(size=(20,)), jnp.float16)}
+  return params, grads
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_large_learning_rate_saturates_at_the_float16_maximum(guard):
+  """Guards against casting the float32 update with ``astype`` (Inf) instead of clamping.
+
+  The factored estimate gives "w" unnormalised values spread around 1: times 3e4 some
+  stay inside float16's range and some do not. Each must equal the float64
+  reference's update, clamped to +-65504 (and rounded to float16).
+  """
+  params, grads = _problem()
+  config = dict(multiply_by_parameter_scale=False, clipping_threshold=None)
+  tx = osf.safefactor(3e4, min_dim_size_to_factor=8, skip_nonfinite_steps=guard, **config)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  reference = ReferenceAdafactor(learning_rate=3e4, **config)
+  expected = reference.init_all(params, min_dim_size_to_factor=8).step(grads, params)
+  for name in ("w", "b"):
+    assert updates[name].dtype == jnp.float16
+    clamped = np.clip(expected[name], -FLOAT16_MAX, FLOAT16_MAX)
+    np.testing.assert_allclose(np.asarray(updates[name], np.float64), clamped, rtol=1e-3)
+  saturated = np.abs(expected["w"]) > FLOAT16_MAX
+  assert 0 < saturated.sum() < saturated.size  # both kinds of element are present
+  if guard:
+    assert int(osf.skipped_steps(state)) == 0
+
+
+def test_large_weight_decay_saturates_too():
+  # Decoupled weight decay is added after every scaling: 1e6 * 0.5 overflows float16.
+  params = {"w": jnp.full((4, 3), 0.5, jnp.float16)}
+  tx = osf.safefactor(0.0, weight_decay_rate=1e6)
+  updates, state = jax.jit(tx.update)({"w": jnp.ones((4, 3), jnp.float16)}, tx.init(params),
+                                      params)
+  np.testing.assert_array_equal(updates["w"], np.full((4, 3), -FLOAT16_MAX, np.float16))
+  assert int(osf.skipped_steps(state)) == 0
