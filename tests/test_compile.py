@@ -32,6 +32,7 @@ def _temp_bytes(tx, params) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.xla_memory_layout
 @pytest.mark.parametrize("guard", [True, False])
 @pytest.mark.parametrize("momentum", [None, 0.9])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -42,10 +43,13 @@ def test_no_leaf_keeps_a_full_size_temporary(guard, momentum, dtype):
   # (bfloat16: the float32 upcasts of the gradient and the param must not be shared.)
   params = {f"w{i}": jnp.ones((256, 512), dtype) for i in range(12)}
   param_bytes = sum(p.nbytes for p in params.values())
-  float32_bytes = sum(4 * p.size for p in params.values())  # what a float32 temporary takes
+  float32_leaf = 4 * 256 * 512  # what one leaf's float32 temporary takes
   ours = _temp_bytes(osf.safefactor(1e-3, momentum=momentum, skip_nonfinite_steps=guard), params)
   with jax.numpy_dtype_promotion("standard"):  # optax mixes float32 and bfloat16
     theirs = _temp_bytes(optax.adafactor(1e-3, momentum=momentum), params)
   assert theirs > 0.5 * param_bytes  # the layout this guards against
-  # One leaf's float32 scaled gradient lives for its clipping reduction, never more.
-  assert ours < 0.25 * float32_bytes, (ours, float32_bytes)
+  # One leaf's float32 scaled gradient lives for its clipping reduction, never more
+  # (README: "at most a leaf's worth"), plus row- and column-sized statistics. Measured:
+  # 1.12 float32 leaves without the guard, 1.19 with it, for every dtype and momentum.
+  # A second full-size temporary adds 0.5 (a bfloat16 copy) or 1.0 (a float32 one).
+  assert ours < 1.25 * float32_leaf, (ours / float32_leaf, ours)

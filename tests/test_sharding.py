@@ -138,8 +138,12 @@ def test_per_device_state_bytes_shrink_with_the_mesh():
     state = tx.init(_params(mesh))
   per_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state))
   replicated = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-  # Momentum is split 8 ways (or 4 for the 1-D leaves); counters are replicated scalars.
-  assert per_device < replicated / 6, (per_device, replicated)
+  # Momentum is split 8 ways (or 4 for the leaves sharded over "model" only); counters are
+  # replicated scalars. Measured: 1/7.78 of the replicated bytes (README: "about 1/8").
+  # These are byte counts, not timings: the margin to 1/7.7 is ~350 more replicated
+  # int32 scalars, while replicating the factored statistics gives 1/7.55 and one
+  # momentum replicated over "model" 1/7.44.
+  assert per_device < replicated / 7.7, (replicated / per_device, per_device, replicated)
 
 
 def test_partition_specs_for_abstract_params_and_wrappers():
