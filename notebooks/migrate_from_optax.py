@@ -16,13 +16,32 @@
 # inputs the continued run matches what optax would have done.
 
 # %%
-import sys
+# Installs optax-safefactor when it is not installed yet (as on Colab): from a wheel uploaded
+# to the working folder if there is one (the newest optax_safefactor-*.whl), else from PyPI.
+# Does nothing when the package is already importable.
+import importlib.util
 
-if "google.colab" in sys.modules:  # only in Colab: install the package
+if importlib.util.find_spec("optax_safefactor") is None:
+    import pathlib
     import subprocess
+    import sys
 
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "optax-safefactor[demo]"],
-                   check=True)
+    # A second upload of the same file is saved as "name (1).whl", which pip refuses.
+    wheels = [p for p in pathlib.Path().glob("optax_safefactor-*.whl") if " " not in p.name]
+    wheels.sort(key=lambda p: p.stat().st_mtime)
+    source = f"{wheels[-1].resolve()}[demo]" if wheels else "optax-safefactor[demo]"
+    print("Installing", source)
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", source])
+    importlib.invalidate_caches()
+    if installed.returncode != 0 or importlib.util.find_spec("optax_safefactor") is None:
+        print(
+            f"Could not install {source}.\n"
+            "To get a wheel: clone the repository, run `pip install build && python -m build`\n"
+            "in it, and upload dist/optax_safefactor-*.whl to this notebook's working folder\n"
+            "(on Colab: the folder icon on the left, then the upload button). Then run this\n"
+            "cell again."
+        )
+        raise ModuleNotFoundError("optax_safefactor is not installed: see the message above")
 
 # %%
 import pathlib
