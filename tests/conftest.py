@@ -38,3 +38,15 @@ def x64():
     yield
   finally:
     jax.config.update("jax_enable_x64", previous)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Skip, with the reason, what the installed JAX cannot run (markers in pyproject.toml)."""
+  if jax.__version_info__ < (0, 10, 2):
+    skip = pytest.mark.skip(reason=(
+        "XLA's CPU memory analysis before JAX 0.10.2 reports the same temporaries for "
+        "safefactor and optax.adafactor (2x the float32 params on 0.8-0.10.1), so it cannot "
+        "tell the layouts apart"))
+    for item in items:
+      if "xla_memory_layout" in item.keywords:
+        item.add_marker(skip)
