@@ -109,9 +109,8 @@ def init_micro_batch_counters(params: Any) -> MicroBatchCounters:
 def _nonfinite_message(consecutive: int, step: int, bad_leaves: list[str],
                        max_consecutive: int, words: _Wording | None = None) -> str:
   words = words or _WORDING["steps"]
-  what = "optimizer steps" if words.many == "steps" else words.many
   return (
-      f"{consecutive} consecutive {what} were non-finite and skipped "
+      f"{consecutive} consecutive {words.skipped_what} were non-finite and skipped "
       f"(max_consecutive={max_consecutive}); at {words.one} {step} the non-finite leaves "
       f"were: {', '.join(bad_leaves) or '(optimizer state only)'}. {words.held}"
   )
@@ -330,6 +329,8 @@ class GuardRecord(NamedTuple):
 
 
 class _Wording(NamedTuple):
+  """How the reports name one kind of record: its keys, its words, its error's ending."""
+
   skipped: str
   consecutive: str
   calls: str
@@ -338,19 +339,22 @@ class _Wording(NamedTuple):
   label: str
   one: str
   many: str
+  skipped_what: str
   held: str
 
 
 _WORDING = {
     "steps": _Wording(
-        "skipped_steps", "consecutive_skips", "steps", "nonfinite_steps",
-        "last_nonfinite_step", "guard", "step", "steps",
-        "Params and optimizer state hold the last finite step."),
+        skipped="skipped_steps", consecutive="consecutive_skips", calls="steps",
+        nonfinite="nonfinite_steps", last_nonfinite="last_nonfinite_step", label="guard",
+        one="step", many="steps", skipped_what="optimizer steps",
+        held="Params and optimizer state hold the last finite step."),
     "micro_batches": _Wording(
-        "skipped_micro_batches", "consecutive_skipped_micro_batches", "micro_batches",
-        "nonfinite_micro_batches", "last_nonfinite_micro_batch", "accumulation",
-        "micro-batch", "micro-batches",
-        "The accumulator holds the finite micro-batches only."),
+        skipped="skipped_micro_batches", consecutive="consecutive_skipped_micro_batches",
+        calls="micro_batches", nonfinite="nonfinite_micro_batches",
+        last_nonfinite="last_nonfinite_micro_batch", label="accumulation",
+        one="micro-batch", many="micro-batches", skipped_what="micro-batches",
+        held="The accumulator holds the finite micro-batches only."),
 }
 
 

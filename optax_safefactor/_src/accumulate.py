@@ -1,0 +1,236 @@
+"""Gradient accumulation that leaves a non-finite micro-batch out, and counts it.
+
+``optax.MultiSteps`` resets its accumulator with ``(1 - emit) * acc``; ``0 * NaN`` is
+NaN, so one bad micro-batch poisons every later group. Here a micro-batch is added
+only when the sum stays finite, a finished group's sum is set aside by a select, never
+by a product, and the skip is counted by the guard's own counters
+(``guard.count_call``), so that :func:`skipped_steps` and the reports see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_safefactor._src import checks, guard, numerics, placement, xla_hints
+from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
+
+EveryK = int | Callable[[jax.Array], Any]
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate_gradients`.
+
+  Attributes:
+    inner_state: the inner transformation's state, as of its last update.
+    accumulator: per leaf, the sum of the current group's finite micro-batch gradients,
+      in float32 (float64 for float64 gradients), placed and sharded like the param.
+      While ``accumulated`` is 0 it still holds the last group's sum, which the next
+      micro-batch ignores: clearing it after the step would overwrite what the step
+      reads, and XLA would copy it first.
+    accumulated: the number of finite micro-batches in the current group (int32).
+    applied_steps: the number of times the inner transformation was updated (int32);
+      the argument of an ``every_k`` schedule.
+    micro_batches: the skipped micro-batches, counted as a guard counts skipped steps.
+  """
+
+  inner_state: Any
+  accumulator: Any
+  accumulated: jax.Array
+  applied_steps: jax.Array
+  micro_batches: guard.MicroBatchCounters
+
+
+def _group_size(every_k: EveryK, applied_steps: jax.Array) -> jax.Array:
+  """How many finite micro-batches make this group; a schedule's value is floored at 1."""
+  size = every_k(applied_steps) if callable(every_k) else every_k
+  return jnp.maximum(jnp.asarray(size).astype(jnp.int32), 1)
+
+
+def _accumulator_like(param: Any) -> Any:
+  value = placement.unbox(param)
+  return placement.state_like(param, value.shape, 0, numerics.compute_dtype(value.dtype))
+
+
+def _finite_sum_check(x: jax.Array) -> jax.Array:
+  """Scalar bool: every element of ``x`` is finite, as one fused float reduction.
+
+  ``sum(x - x)`` is 0 when every element is finite and NaN otherwise (``x - x`` is NaN
+  for NaN and Inf, and a sum of zeros cannot overflow). XLA fuses it into the pass that
+  computes ``x``, where ``all(isfinite(x))`` writes a full-size boolean temporary
+  (a quarter of a float32 parameter) on the CPU backend.
+
+  Pinned by ``tests/test_accumulate.py::test_temporary_bytes_are_at_most_multi_steps``.
+  """
+  return jnp.isfinite(jnp.sum(xla_hints.nan_unless_finite(x)))
+
+
+def _mean(summed: jax.Array, grad: jax.Array, count: jax.Array) -> jax.Array:
+  """``summed * (1 / count)`` in the accumulator's dtype, handed over in the gradient's dtype.
+
+  A multiplication by the scalar reciprocal, written out: XLA rewrites a division by a
+  broadcast scalar into it in some programs and not in others (a sharded one, say), so
+  spelling it out gives every compilation, on every mesh, the same bits. It is exact
+  for a power-of-two count.
+  """
+  reciprocal = 1 / count.astype(summed.dtype)
+  return (summed * reciprocal).astype(grad.dtype)
+
+
+def _accumulate(
+    inner: optax.GradientTransformation, every_k: EveryK, gate: str
+) -> optax.GradientTransformationExtraArgs:
+  """:func:`accumulate_gradients` with a choice of how ``inner`` is kept from stepping.
+
+  ``gate="cond"`` runs ``inner.update`` only on the micro-batch that completes a group,
+  under ``lax.cond``; ``gate="select"`` runs it on every micro-batch and selects its
+  outputs, as ``optax.MultiSteps`` does. Both give the same results;
+  ``optax_safefactor.bench_accumulate`` measures the two.
+  """
+  if gate not in ("cond", "select"):
+    raise ValueError(f"gate must be 'cond' or 'select', got {gate!r}")
+  positive_int = (isinstance(every_k, (int, np.integer)) and not isinstance(every_k, bool)
+                  and every_k >= 1)
+  if not (callable(every_k) or positive_int):
+    raise ValueError(f"every_k must be a positive int or a schedule, got {every_k!r}")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    jax.tree_util.tree_map_with_path(
+        lambda path, param: checks.check_param_leaf(path, placement.unbox(param)),
+        params, is_leaf=placement.is_box,
+    )
+    return AccumulationState(
+        inner_state=inner.init(params),
+        accumulator=jax.tree.map(_accumulator_like, params, is_leaf=placement.is_box),
+        accumulated=jnp.zeros([], jnp.int32),
+        applied_steps=jnp.zeros([], jnp.int32),
+        micro_batches=guard.init_micro_batch_counters(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    checks.check_state_type(state, AccumulationState, updates)
+    jax.tree_util.tree_map_with_path(
+        lambda path, grad: checks.check_param_leaf(path, grad, "grad"), updates)
+    checks.check_same_structure(updates, state.accumulator, "the accumulator")
+    grads = updates
+    count = state.accumulated + 1
+    starts_group = state.accumulated == 0
+
+    def add(acc, grad):
+      # A new group ignores the last group's sum left in the accumulator.
+      base = jnp.where(starts_group, jnp.zeros((), acc.dtype), acc)
+      return base + grad.astype(acc.dtype)
+
+    # The verdict: a NaN or Inf gradient, or a finite one that overflows the sum, makes
+    # the sum non-finite. One flag for every leaf (and, on a mesh, every device).
+    leaf_finite = jax.tree.map(lambda acc, grad: _finite_sum_check(add(acc, grad)),
+                               state.accumulator, grads)
+    finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite))
+    emit = finite & (count >= _group_size(every_k, state.applied_steps))
+    # A select, never ``(1 - emit) * acc``: a non-finite sum is never written. The new
+    # accumulator is written in place of the old one and is what the step reads, so
+    # nothing overwrites it afterwards (which would need a copy).
+    accumulator = jax.tree.map(
+        lambda acc, grad: jnp.where(finite, add(acc, grad), acc), state.accumulator, grads)
+
+    def step_inner(accumulator, inner_state):
+      mean = jax.tree.map(partial(_mean, count=count), accumulator, grads)
+      new_updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
+      # The held state is the old one: keep each leaf's dtype so both agree.
+      new_inner = jax.tree.map(lambda new, old: jnp.asarray(new, jnp.asarray(old).dtype),
+                               new_inner, inner_state)
+      return new_updates, new_inner
+
+    if gate == "cond":
+      update_shapes = jax.eval_shape(step_inner, accumulator, state.inner_state)[0]
+
+      def hold_inner(accumulator, inner_state):
+        del accumulator
+        # zeros_like of the shapes keeps an explicit mesh's sharding in the type.
+        return jax.tree.map(jnp.zeros_like, update_shapes), inner_state
+
+      new_updates, new_inner = jax.lax.cond(emit, step_inner, hold_inner, accumulator,
+                                            state.inner_state)
+    else:
+      new_updates, new_inner = step_inner(accumulator, state.inner_state)
+      new_updates = jax.tree.map(partial(zero_if_skipped, emit), new_updates)
+      new_inner = jax.tree.map(partial(keep_unless_skipped, emit), new_inner,
+                               state.inner_state)
+
+    return new_updates, AccumulationState(
+        inner_state=new_inner,
+        accumulator=accumulator,
+        accumulated=jnp.where(emit, 0, jnp.where(finite, count, state.accumulated)),
+        applied_steps=jnp.where(emit, optax.safe_increment(state.applied_steps),
+                                state.applied_steps),
+        micro_batches=guard.count_call(state.micro_batches, leaf_finite, finite),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def accumulate_gradients(
+    inner: optax.GradientTransformation, every_k: EveryK
+) -> optax.GradientTransformationExtraArgs:
+  r"""Accumulate ``every_k`` finite micro-batches, then step ``inner`` on their mean.
+
+  Where ``optax.MultiSteps`` lets one NaN micro-batch poison its accumulator for good,
+  this leaves a non-finite micro-batch out, and counts it. For the finite gradients
+  :math:`g_1, \dots, g_k` of a group (:math:`k` = ``every_k``),
+
+  .. math::
+
+    \bar g = \mathrm{cast}_{g}\Big(\frac{1}{k} \sum_{i=1}^{k} \mathrm{f32}(g_i)\Big)
+
+  summed in float32 (float64 for float64 gradients) and handed to ``inner`` in the
+  gradients' own dtype. The micro-batch that completes a group returns
+  ``inner.update(ḡ, ...)``'s updates; every other one returns zeros and leaves
+  ``inner``'s state alone.
+
+  A micro-batch with a NaN or Inf, or a finite one whose addition would overflow the
+  accumulator, is left out: the group waits for the next finite micro-batch, so a
+  run with a poisoned micro-batch equals, bit for bit, the run without it (all but
+  the counters). It is counted as a skipped update call: :func:`skipped_steps`
+  includes it, and :func:`nonfinite_report` and :func:`nonfinite_summary` list it
+  under micro-batches, naming the leaves. The accumulator never holds a non-finite
+  value; the decision is one flag over every leaf, so on a mesh every device agrees.
+
+  The state adds one accumulator the size of the params, placed and sharded like
+  them (flax boxes included), to ``inner``'s own. ``inner.update`` runs only on the
+  micro-batch that completes a group (under ``lax.cond``; measured against computing
+  and selecting it in ``docs/benchmarks.md``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.accumulate_gradients(osf.safefactor(0.1), every_k=2)
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> for value in (1.0, jnp.nan, 3.0):  # the NaN micro-batch is left out
+    ...   updates, state = tx.update({"w": jnp.full((2, 3), value)}, state, params)
+    >>> int(state.applied_steps), int(osf.skipped_steps(state))
+    (1, 1)
+    >>> osf.nonfinite_report(state)["nonfinite_micro_batches/params['w']"]
+    1
+    >>> print(osf.nonfinite_summary(state))  # doctest: +NORMALIZE_WHITESPACE
+    1 skipped in total; guard0: no skipped steps in 1 step; accumulation: skipped 1 of
+    3 micro-batches (0 in a row); non-finite: params['w'] x1 (last at micro-batch 1)
+
+  Args:
+    inner: any optax transformation; it sees the mean of each group.
+    every_k: the number of finite micro-batches per step: a positive int, or a
+      schedule of the number of steps applied so far (as ``every_k_schedule`` in
+      ``optax.MultiSteps``), whose value is floored at 1.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` whose state is an
+    :class:`AccumulationState`; extra arguments are passed on to ``inner``.
+  """
+  return _accumulate(inner, every_k, "cond")

@@ -1,0 +1,159 @@
+"""``python -m optax_safefactor.bench_accumulate``: gradient accumulation, cond against select.
+
+:func:`optax_safefactor.accumulate_gradients` runs ``inner.update`` under ``lax.cond``,
+only on the micro-batch that completes a group. The alternative computes it on every
+micro-batch and selects its outputs, as ``optax.MultiSteps`` does. This script measures
+both, and ``optax.MultiSteps`` itself, around ``safefactor`` on one of the benchmark's
+trees (``optax_safefactor.bench.TREES``), in one process with interleaved rounds:
+
+- time per micro-batch: each call of the compiled train step (update and
+  ``apply_updates``, params and state donated) is timed on its own; the table gives
+  the median over the rounds of the calls that accumulate, of the call that steps,
+  and of a whole group divided by its size;
+- temporary bytes: ``compiled.memory_analysis().temp_size_in_bytes``, exact;
+- compile time: lowering and compiling the train step once.
+
+Every figure is also given as a ratio to ``optax.MultiSteps``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_safefactor as osf
+from optax_safefactor import bench
+from optax_safefactor._src.accumulate import _accumulate
+
+
+def candidates(every_k: int) -> dict[str, optax.GradientTransformation]:
+  """The transformations compared, each around the same ``safefactor``."""
+
+  def inner():
+    return osf.safefactor(1e-3)
+
+  return {
+      "accumulate_gradients (cond)": _accumulate(inner(), every_k, "cond"),
+      "accumulate_gradients (select)": _accumulate(inner(), every_k, "select"),
+      "optax.MultiSteps": optax.MultiSteps(inner(), every_k),
+      "safefactor alone": inner(),
+  }
+
+
+def _train_step(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def measure(tree: str = "600-leaves", scale: float = 1.0, every_k: int = 4,
+            repetitions: int = 5, dtype: str = "float32") -> list[dict]:
+  """One row per candidate: times in seconds, temporary bytes, compile seconds."""
+  params = bench.make_params(bench.TREES[tree](scale), jnp.dtype(dtype))
+  grads = jax.tree.map(lambda p: (p * 0.5 + 0.001).astype(p.dtype), params)
+  rows, runners = {}, {}
+  for name, tx in candidates(every_k).items():
+    state = tx.init(params)
+    start = time.perf_counter()
+    compiled = jax.jit(_train_step(tx), donate_argnums=(0, 1)).lower(
+        params, state, grads).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    rows[name] = {
+        "optimizer": name, "tree": tree, "dtype": dtype, "every_k": every_k,
+        "params": int(sum(p.size for p in jax.tree.leaves(params))),
+        "leaves": len(jax.tree.leaves(params)), "compile_s": compile_s,
+        "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
+        "accumulate_s": [], "step_s": [], "group_s": [],
+    }
+    runners[name] = [compiled, jax.tree.map(jnp.copy, params), state]
+    print(f"  compiled {name} in {compile_s:.1f} s", file=sys.stderr, flush=True)
+
+  # Round 0 warms up and is dropped. Each round runs one whole group of every
+  # candidate, interleaved, so a slow moment of the machine lands on all of them.
+  for round_index in range(repetitions + 1):
+    for name, runner in runners.items():
+      compiled, p, s = runner
+      calls = []
+      group = 1 if name == "safefactor alone" else every_k
+      for _ in range(group):
+        start = time.perf_counter()
+        p, s = compiled(p, s, grads)
+        jax.block_until_ready((p, s))
+        calls.append(time.perf_counter() - start)
+      runner[1:] = [p, s]
+      if round_index:
+        row = rows[name]
+        row["step_s"].append(calls[-1])
+        row["accumulate_s"].append(float(np.median(calls[:-1])) if group > 1 else np.nan)
+        row["group_s"].append(sum(calls) / group)
+  for row in rows.values():
+    for key in ("accumulate_s", "step_s", "group_s"):
+      row[key] = float(np.median(row[key]))
+  base = rows["optax.MultiSteps"]
+  for row in rows.values():
+    for key in ("accumulate_s", "step_s", "group_s", "compile_s", "temp_bytes"):
+      if row[key] is not None and base[key]:
+        row[f"{key}_ratio"] = row[key] / base[key]
+  return list(rows.values())
+
+
+def _cell(row: dict, key: str, unit: str, factor: float, digits: int) -> str:
+  value = row[key]
+  if value is None or value != value:  # None or NaN: not applicable
+    return "n/a"
+  ratio = row.get(f"{key}_ratio")
+  suffix = f" ({ratio:.2f}x)" if ratio is not None else ""
+  return f"{value * factor:.{digits}f} {unit}{suffix}"
+
+
+def markdown(rows: Sequence[dict]) -> str:
+  lines = ["| optimizer | accumulating micro-batch | stepping micro-batch | "
+           "per micro-batch (group mean) | temp bytes | compile |",
+           "|---|---|---|---|---|---|"]
+  for row in rows:
+    lines.append(
+        f"| {row['optimizer']} | {_cell(row, 'accumulate_s', 'ms', 1e3, 1)} "
+        f"| {_cell(row, 'step_s', 'ms', 1e3, 1)} | {_cell(row, 'group_s', 'ms', 1e3, 1)} "
+        f"| {_cell(row, 'temp_bytes', 'MB', 1e-6, 1)} | {_cell(row, 'compile_s', 's', 1, 1)} |")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m optax_safefactor.bench_accumulate",
+      description="accumulate_gradients with lax.cond against compute-and-select, and "
+                  "optax.MultiSteps, around safefactor: time per micro-batch, temporary "
+                  "bytes and compile time, with ratios to optax.MultiSteps.")
+  parser.add_argument("--tree", choices=sorted(bench.TREES), default="600-leaves")
+  parser.add_argument("--scale", type=float, default=1.0,
+                      help="widths multiplied by this, in (0, 4] (1.0)")
+  parser.add_argument("--every-k", type=int, default=4, help="micro-batches per step (4)")
+  parser.add_argument("--repetitions", type=int, default=5, metavar="N",
+                      help="timed groups per candidate after one warm-up group (5)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  args = parser.parse_args(argv)
+  if not 0 < args.scale <= 4 or args.every_k < 2 or args.repetitions < 1:
+    parser.error("--scale must be in (0, 4], --every-k at least 2, --repetitions at least 1")
+  print(f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
+        f"{len(jax.devices())} device(s): {jax.devices()[0].device_kind}", file=sys.stderr)
+  rows = measure(args.tree, args.scale, args.every_k, args.repetitions, args.dtype)
+  first = rows[0]
+  print(f"{first['tree']} ({first['params'] / 1e6:.3g}M params, {first['leaves']} leaves), "
+        f"{first['dtype']}, every_k={first['every_k']}, median of {args.repetitions} groups; "
+        "ratios to optax.MultiSteps in brackets")
+  print(markdown(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
