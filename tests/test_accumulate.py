@@ -279,6 +279,7 @@ def _temp_bytes(tx, params):
   return memory.temp_size_in_bytes
 
 
+@pytest.mark.xla_memory_layout
 def test_temporary_bytes_are_at_most_multi_steps():
   # The verdict is one fused float reduction (an all(isfinite) would write a boolean
   # array), and the step reads the accumulator just written in place (clearing it
