@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from optax_safefactor._src import compat
+
 # nnx Variables keep their mesh-axis names under one of these metadata keys,
 # depending on the flax version.
 _NNX_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -137,7 +139,7 @@ def _full_like(param: jax.Array, shape: Sequence[int], fill_value: Any, dtype: A
   if isinstance(sharding, NamedSharding):
     placed = NamedSharding(sharding.mesh, state_spec(sharding.spec, param.shape, shape))
     if isinstance(param, jax.core.Tracer):
-      return jnp.full(shape, fill_value, dtype, out_sharding=placed)
+      return compat.full(shape, fill_value, dtype, out_sharding=placed)
     return jnp.full(shape, fill_value, dtype, device=placed)
   # Follow the param's commitment: a state committed where the params are not (or the
   # reverse) differs from what a jitted step returns, and the second step compiles again.
