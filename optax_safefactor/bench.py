@@ -2,12 +2,13 @@
 
 For each model-shaped parameter tree and dtype, every optimizer is compiled into the same
 train step (update + apply), timed with interleaved repetitions in one process, and
-reported against ``optax.adafactor`` at the same configuration: median step time, compile
-time, temporary bytes (``compiled.memory_analysis()``), optimizer-state bytes against the
-theoretical minimum, and the fraction of a plain scale-copy roofline (``p - lr * g``: the
-least memory traffic any optimizer step has) achieved, and the fraction of that copy's
-bandwidth achieved on the least traffic an Adafactor step needs
-(:func:`minimum_traffic_bytes`). Runs unchanged on CPU, GPU and TPU.
+reported against ``optax.adafactor`` at the same configuration: step time (min / median /
+max over the repetitions), compile time, temporary bytes (``compiled.memory_analysis()``),
+optimizer-state bytes against the theoretical minimum, the fraction of a plain
+scale-copy roofline (``p - lr * g``: the least memory traffic any optimizer step has)
+achieved, and the fraction of that copy's bandwidth achieved on the least traffic an
+Adafactor step needs (:func:`minimum_traffic_bytes`). :data:`LEGEND` explains each
+column; it is printed under the table. Runs unchanged on CPU, GPU and TPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import pathlib
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 
@@ -25,7 +27,10 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor._src.plan import default_plan
+from optax_safefactor.demo import HelpFormatter, unwritable_folder, wrap
+
+# optax's default, and safefactor's: smaller axes keep a full-size second moment.
+MIN_DIM_SIZE_TO_FACTOR = 128
 
 
 def gpt2_small(scale: float) -> dict:
@@ -94,16 +99,34 @@ def make_params(shapes: dict, dtype) -> dict:
                 for k, s in zip(keys, leaves, strict=True)])
 
 
+def factored_axes(shape: Sequence[int]) -> tuple[int, int] | None:
+  """The axes a factored second moment averages over (the two largest), or None.
+
+  The rule of ``optax.scale_by_factored_rms``, which ``safefactor`` follows by default:
+  a leaf is factored when its second-largest axis has at least
+  ``MIN_DIM_SIZE_TO_FACTOR`` elements. Ties go to the earlier axis.
+
+  >>> factored_axes((300, 200)), factored_axes((4, 300, 200)), factored_axes((300, 100))
+  ((1, 0), (2, 1), None)
+  """
+  if len(shape) < 2:
+    return None
+  second, largest = (int(axis) for axis in np.argsort(np.asarray(shape), kind="stable")[-2:])
+  if shape[second] < MIN_DIM_SIZE_TO_FACTOR:
+    return None
+  return second, largest
+
+
 def minimum_state_bytes(params: dict, momentum: bool) -> int:
   """float32 rows + columns per factored leaf, the full size per other leaf, a few scalars."""
   total = 64
   for p in jax.tree.leaves(params):
-    plan = default_plan(p.shape, True, 128)
-    if plan is None:
+    axes = factored_axes(p.shape)
+    if axes is None:
       total += 4 * p.size
     else:
-      total += 4 * (int(np.prod(plan.row_stat_shape(p.shape))) +
-                    int(np.prod(plan.col_stat_shape(p.shape))))
+      # One statistic drops the largest axis, the other the second largest.
+      total += 4 * sum(p.size // p.shape[axis] for axis in axes)
     if momentum:
       total += 4 * p.size
   return total
@@ -122,7 +145,7 @@ def minimum_traffic_bytes(params: dict, momentum: bool) -> int:
   total = 0
   for p in jax.tree.leaves(params):
     size = p.dtype.itemsize * p.size
-    if default_plan(p.shape, True, 128) is None:
+    if factored_axes(p.shape) is None:
       total += 2 * size + 3 * 4 * p.size + 3 * size
     else:
       total += 3 * size + 3 * size
@@ -192,18 +215,33 @@ def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[
     roofline_params, _ = roofline(roofline_params, None, grads)
     jax.block_until_ready(roofline_params)
     roofline_times.append(time.perf_counter() - start)
-  roofline_s = float(np.median(roofline_times[1:]))
+  # Round 0 warmed up and is dropped. Each ratio is also taken round by round: within a
+  # round the runs it compares are moments apart, so the spread of those ratios shows
+  # how much a slow moment of the machine (another process, a frequency change) moved
+  # them, and how far the medians can be trusted.
+  copy_rounds = np.asarray(roofline_times[1:])
+  roofline_s = float(np.median(copy_rounds))
   copy_bytes = 3 * sum(p.dtype.itemsize * p.size for p in jax.tree.leaves(params))
   for key, row in rows.items():
-    row["step_s"] = float(np.median(times[key][1:]))
+    rounds = np.asarray(times[key][1:])
+    row["step_s"] = float(np.median(rounds))
+    row["step_s_rounds"] = rounds.tolist()
+    row["copy_s"] = roofline_s
+    row["copy_s_rounds"] = copy_rounds.tolist()
     row["roofline_fraction"] = roofline_s / row["step_s"]
+    _spread(row, "roofline_fraction", copy_rounds / rounds)
     # The copy's bandwidth, against the bandwidth the step achieves on its least traffic.
     row["minimum_traffic_bytes"] = minimum_traffic_bytes(params, key[1] == "momentum")
+    row["copy_bytes"] = copy_bytes
+    traffic_ratio = row["minimum_traffic_bytes"] / copy_bytes
     row["bandwidth_fraction"] = (
         row["minimum_traffic_bytes"] / row["step_s"]) / (copy_bytes / roofline_s)
+    _spread(row, "bandwidth_fraction", traffic_ratio * copy_rounds / rounds)
   for key, row in rows.items():
     base = rows[("optax.adafactor", key[1])]
     row["step_ratio"] = row["step_s"] / base["step_s"]
+    _spread(row, "step_ratio",
+            np.asarray(row["step_s_rounds"]) / np.asarray(base["step_s_rounds"]))
     row["compile_ratio"] = row["compile_s"] / base["compile_s"]
     if row["temp_bytes"] is not None and base["temp_bytes"]:
       row["temp_ratio"] = row["temp_bytes"] / base["temp_bytes"]
@@ -211,46 +249,210 @@ def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[
   for row in rows.values():
     row["params"] = int(n_params)
     row["leaves"] = len(jax.tree.leaves(params))
+    row["factored_leaves"] = sum(factored_axes(p.shape) is not None
+                                 for p in jax.tree.leaves(params))
+    row["repetitions"] = repetitions
   return list(rows.values())
 
 
-def markdown(rows: Sequence[dict]) -> str:
-  lines = ["| tree | dtype | config | optimizer | step | compile | temp bytes | state / minimum "
-           "| roofline | bandwidth |", "|---|---|---|---|---|---|---|---|---|---|"]
+def _spread(row: dict, name: str, per_round: np.ndarray) -> None:
+  """``name_min`` and ``name_max``: the figure's range over the rounds, taken round by round."""
+  row[f"{name}_min"] = float(per_round.min())
+  row[f"{name}_max"] = float(per_round.max())
+
+
+COLUMNS = ("tree", "dtype", "config", "optimizer", "step", "compile", "temp bytes",
+           "state / minimum", "roofline", "bandwidth")
+
+LEGEND = {
+    "tree": "the parameter tree, with its parameter count, its number of leaves and how "
+            "many of them have a factored second moment; --scale shrinks its widths and "
+            "vocabulary.",
+    "dtype": "the dtype of the params and of the gradients.",
+    "config": "default: learning_rate=1e-3; momentum: the same with momentum=0.9.",
+    "optimizer": "optax.adafactor is the reference of every ratio (its own step, compile "
+                 "and temp bytes are 1.00x); 'guard off' is safefactor with "
+                 "skip_nonfinite_steps=False.",
+    "step": "time of one train step (update and apply_updates, compiled, params and state "
+            "donated) / optax.adafactor's at the same tree, dtype and config, as "
+            "min / median / max. The median is the ratio of the two median times; min and "
+            "max are the same ratio taken round by round (each round runs every optimizer "
+            "and the copy once, interleaved in this process). Above 0, no upper bound; "
+            "lower is faster. A wide range means a noisy machine: a difference between two "
+            "medians is clear when their ranges do not overlap.",
+    "compile": "seconds to lower and compile the step / optax.adafactor's. One compile "
+               "each, so no spread; expect tens of percent between runs. Lower is better.",
+    "temp bytes": "XLA's temporary buffers for one step (compiled.memory_analysis()) / "
+                  "optax.adafactor's; exact, no spread. n/a where the backend reports "
+                  "none. Lower is better.",
+    "state / minimum": "optimizer-state bytes / the least a factored second moment needs: "
+                       "float32 row and column statistics per factored leaf, the full size "
+                       "per other leaf, float32 momentum when it is on. 1.00 is the best; "
+                       "below 1 only for state narrower than float32 (optax.adafactor "
+                       "keeps bfloat16 params' statistics in bfloat16: 0.50 without "
+                       "momentum).",
+    "roofline": "time of a plain scale-copy p - lr * g over the same tree (the least any "
+                "optimizer step can do: read p and g, write p), compiled alike and timed "
+                "in the same rounds / the step's time, as min / median / max in percent. "
+                "Higher is better; 100% is as fast as the copy. A max far above the median "
+                "(even above 100%) is a round whose copy was slowed by other work on the "
+                "machine: read the median.",
+    "bandwidth": "bytes per second of the step, counting only the least traffic an "
+                 "Adafactor step needs (minimum_traffic_bytes: a factored leaf's gradient "
+                 "read three times, its param read twice and written once), as a fraction "
+                 "of the copy's bytes per second; min / median / max in percent. It is the "
+                 "roofline times that traffic over the copy's (2x for factored float32 "
+                 "leaves, up to 5x for unfactored bfloat16 ones with momentum). Higher is "
+                 "better. Noisy rounds lift its max as they lift the roofline's; beyond "
+                 "that, it can exceed 100%: the traffic counts every pass over an array "
+                 "as a trip to memory, but when a leaf, or at a small --scale the whole "
+                 "tree, fits in the CPU's caches, later passes read it from cache, so the "
+                 "step moves less than counted; and on a tiny tree the copy's time is "
+                 "mostly fixed cost per call, not memory traffic. Above 100% says the "
+                 "count is not what limits the step there; it is a bandwidth figure only "
+                 "at full scale.",
+}
+
+
+def _millions(n: int) -> str:
+  return f"{n / 1e6:.3g}M"
+
+
+def _range(row: dict, name: str, scale: float, unit: str, digits: int) -> str:
+  low, mid, high = (scale * row[key] for key in (f"{name}_min", name, f"{name}_max"))
+  return f"{low:.{digits}f} / {mid:.{digits}f} / {high:.{digits}f}{unit}"
+
+
+def markdown_header() -> str:
+  header = [f"{c} (min / median / max)" if c in ("step", "roofline", "bandwidth") else c
+            for c in COLUMNS]
+  return "| " + " | ".join(header) + " |\n" + "|" + "---|" * len(header)
+
+
+def markdown_rows(rows: Sequence[dict]) -> str:
+  lines = []
   for r in rows:
     temp = f"{r['temp_ratio']:.2f}x" if "temp_ratio" in r else "n/a"
     lines.append(
-        f"| {r['tree']} ({r['params'] / 1e6:.0f}M, {r['leaves']} leaves) | {r['dtype']} "
-        f"| {r['config']} | {r['optimizer']} | {r['step_ratio']:.2f}x | {r['compile_ratio']:.2f}x "
-        f"| {temp} | {r['state_bytes'] / r['state_minimum_bytes']:.2f} "
-        f"| {100 * r['roofline_fraction']:.0f}% | {100 * r['bandwidth_fraction']:.0f}% |")
+        f"| {r['tree']} ({_millions(r['params'])}, {r['leaves']} leaves, "
+        f"{r['factored_leaves']} factored) | {r['dtype']} "
+        f"| {r['config']} | {r['optimizer']} | {_range(r, 'step_ratio', 1, 'x', 2)} "
+        f"| {r['compile_ratio']:.2f}x | {temp} | {r['state_bytes'] / r['state_minimum_bytes']:.2f} "
+        f"| {_range(r, 'roofline_fraction', 100, '%', 0)} "
+        f"| {_range(r, 'bandwidth_fraction', 100, '%', 0)} |")
   return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def markdown(rows: Sequence[dict]) -> str:
+  return "\n".join([markdown_header(), markdown_rows(rows)])
+
+
+def legend(rows: Sequence[dict]) -> str:
+  """What each column of :func:`markdown` means, its units and bounds; notes on these rows."""
+  width = max(len(c) for c in COLUMNS) + 2
+  lines = ["Columns:"]
+  for column in COLUMNS:
+    lines.append(textwrap.fill(
+        LEGEND[column], width=96, initial_indent=f"  {column:<{width}}",
+        subsequent_indent=" " * (width + 2)))
+  notes = []
+  if rows and min(r["repetitions"] for r in rows) < 3:
+    notes.append("fewer than 3 repetitions: min, median and max are one or two rounds, so "
+                 "the spread says little; use --repetitions 5.")
+  unfactored = sorted({r["tree"] for r in rows if r["factored_leaves"] == 0})
+  if unfactored:
+    notes.append(f"no leaf of {', '.join(unfactored)} is factored at this --scale: every "
+                 "second moment is full size, so these rows do not measure the factored "
+                 "step that full-size models take.")
+  over = [r for r in rows if r["bandwidth_fraction"] > 1]
+  if over:
+    notes.append(f"{len(over)} row(s) above 100% bandwidth: the step beat the counted "
+                 "traffic (cache reuse, or the copy's fixed cost on a small tree), see "
+                 "bandwidth above.")
+  lines.extend(textwrap.fill(note, width=96, initial_indent="Note: ", subsequent_indent="  ")
+               for note in notes)
+  return "\n".join(lines)
+
+
+# Measured on a 2-core CPU shared with other jobs (load 6 to 10): the full run took 28
+# minutes of wall time, 12 minutes of CPU time and 15.4 GiB at its peak (the 194M-param
+# float32 tree: six optimizers' params and states live at once); the small run 39 s.
+FULL_RUN = "about 30 minutes and 16 GB of memory on a 2-core CPU"
+SMALL_RUN = "--trees scanned-24 --dtypes float32 --scale 0.2 --repetitions 3"
+SMALL_RUN_TIME = "about 40 s"
+
+
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_safefactor bench",
-      description="Step time, compile time and memory of safefactor as ratios to "
-                  "optax.adafactor in the same process.")
-  parser.add_argument("--trees", nargs="+", choices=sorted(TREES), default=sorted(TREES))
-  parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"),
-                      default=["float32", "bfloat16"])
-  parser.add_argument("--scale", type=float, default=1.0,
-                      help="shrink the widths (and vocabularies) for a quick run (1.0)")
-  parser.add_argument("--repetitions", type=int, default=5)
-  parser.add_argument("--json", type=pathlib.Path, default=None, help="also write rows as JSON")
+      prog="python -m optax_safefactor bench", formatter_class=HelpFormatter,
+      description=wrap(
+          "Step time, compile time and memory of safefactor as ratios to optax.adafactor "
+          "in the same process, with the spread of each timed ratio over the "
+          "repetitions. The table goes to stdout with a legend of its columns; progress "
+          "goes to stderr."),
+      epilog=wrap(
+          f"A full run (the defaults) takes {FULL_RUN}, half of it compiling the 600-leaf "
+          f"tree; a small one ({SMALL_RUN}) {SMALL_RUN_TIME}. Each tree's rows are printed "
+          "as soon as they are measured."))
+  parser.add_argument(
+      "--trees", nargs="+", choices=sorted(TREES), default=sorted(TREES), metavar="TREE",
+      help="parameter trees to measure, any of: 600-leaves (50 unscanned layers of 12 "
+           "leaves, 10M params), gpt2-small (GPT-2 small, 124M), scanned-24 (24 layers "
+           "stacked on a leading axis, 7 leaves, 194M), vit-b16 (ViT-B/16, 87M); params "
+           "at --scale 1 (all four)")
+  parser.add_argument(
+      "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
+      metavar="DTYPE", help="dtypes of the params and gradients: float32, bfloat16 (both)")
+  parser.add_argument(
+      "--scale", type=float, default=1.0,
+      help="multiply the widths and vocabularies by this, in (0, 4], for a quicker run. "
+           "At 0.2 the trees have 0.4M to 8M params and their large layers are still "
+           "factored; below about 0.17 no axis keeps the 128 elements factoring needs, so "
+           "no leaf is factored and a different step is measured (the 600-leaf tree is "
+           "factored only from 1.0) (1.0)")
+  parser.add_argument(
+      "--repetitions", type=int, default=5, metavar="N",
+      help="timed rounds after one untimed warm-up round; a round runs every optimizer "
+           "and the scale-copy once, interleaved. Medians and the min / max spread are "
+           "over these rounds; 3 or more to see the noise (5)")
+  parser.add_argument(
+      "--json", type=pathlib.Path, default=None, metavar="FILE",
+      help="also write the rows to FILE as JSON: every figure, its spread and the "
+           "per-round times in seconds; its folder is created and checked before the run")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = build_parser()
   args = parser.parse_args(argv)
   if not 0 < args.scale <= 4 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4] and --repetitions at least 1")
+  if args.json is not None:
+    problem = unwritable_folder(args.json.parent)
+    if problem is None and args.json.is_dir():
+      problem = "it is a folder"
+    if problem is not None:
+      print(f"{parser.prog}: error: cannot write --json {args.json}: {problem}",
+            file=sys.stderr)
+      return 2
   print(f"backend: {jax.default_backend()}, {len(jax.devices())} device(s): "
         f"{jax.devices()[0].device_kind}", file=sys.stderr)
-  rows = []
-  for tree in args.trees:
-    for dtype in args.dtypes:
-      print(f"measuring {tree} / {dtype} ...", file=sys.stderr, flush=True)
-      rows.extend(measure(tree, dtype, args.scale, args.repetitions))
-  print(markdown(rows))
+  # A full run takes long and can run out of memory on its largest tree: each tree's rows
+  # are printed (and the JSON rewritten) as soon as they are measured, so they survive.
+  print(markdown_header(), flush=True)
+  rows, started = [], time.perf_counter()
+  pairs = [(tree, dtype) for tree in args.trees for dtype in args.dtypes]
+  for index, (tree, dtype) in enumerate(pairs):
+    print(f"[{index + 1}/{len(pairs)}, {time.perf_counter() - started:.0f} s] measuring "
+          f"{tree} / {dtype} ...", file=sys.stderr, flush=True)
+    measured = measure(tree, dtype, args.scale, args.repetitions)
+    rows.extend(measured)
+    print(markdown_rows(measured), flush=True)
+    if args.json is not None:
+      args.json.write_text(json.dumps(rows, indent=2))
+  print(f"done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+  print()
+  print(legend(rows))
   if args.json is not None:
-    args.json.write_text(json.dumps(rows, indent=2))
     print(f"json: {args.json}")
   return 0

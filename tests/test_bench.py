@@ -1,5 +1,7 @@
 """The benchmark runs end to end (tiny scale) and reports every figure it promises."""
 
+import argparse
+import ast
 import json
 import os
 import pathlib
@@ -7,20 +9,29 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import pytest
 
+from optax_safefactor import bench
 from optax_safefactor.bench import minimum_traffic_bytes
+
+# The help's small run: 7 leaves compile fast, and at this scale the layers are factored
+# and the norms are not, so both kinds of leaf are measured.
+SMALL_RUN = ["--trees", "scanned-24", "--dtypes", "float32", "--scale", "0.2",
+             "--repetitions", "3"]
+
+
+def _bench(*args, cwd):
+  return subprocess.run(
+      [sys.executable, "-m", "optax_safefactor", "bench", *args], cwd=cwd,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
 
 
 def test_bench_runs_and_writes_json(tmp_path):
-  out = tmp_path / "bench.json"
-  result = subprocess.run(
-      [sys.executable, "-m", "optax_safefactor", "bench", "--trees", "gpt2-small",
-       "--dtypes", "float32", "--scale", "0.05", "--repetitions", "1", "--json", str(out)],
-      cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-      timeout=600,
-  )
+  out = tmp_path / "new" / "bench.json"  # a missing folder is created
+  result = _bench(*SMALL_RUN, "--json", str(out), cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.startswith("| tree | dtype | config | optimizer | step | compile")
+  assert result.stdout.startswith(
+      "| tree | dtype | config | optimizer | step (min / median / max) | compile")
   rows = json.loads(pathlib.Path(out).read_text())
   assert {(r["optimizer"], r["config"]) for r in rows} == {
       (name, config) for name in ("optax.adafactor", "safefactor", "safefactor, guard off")
@@ -29,9 +40,80 @@ def test_bench_runs_and_writes_json(tmp_path):
     for key in ("step_ratio", "compile_ratio", "temp_bytes", "state_bytes", "roofline_fraction",
                 "bandwidth_fraction"):
       assert row[key] is not None and row[key] >= 0
+    # Each timed figure comes with its spread over the rounds, and the rounds themselves.
+    assert len(row["step_s_rounds"]) == len(row["copy_s_rounds"]) == row["repetitions"] == 3
+    for key in ("step_ratio", "roofline_fraction", "bandwidth_fraction"):
+      assert 0 < row[f"{key}_min"] <= row[key] <= row[f"{key}_max"], (key, row)
+    assert 0 < row["factored_leaves"] < row["leaves"]  # both kinds of leaf are measured
+    if row["optimizer"] == "optax.adafactor":
+      assert row["step_ratio_min"] == row["step_ratio_max"] == 1
     if row["optimizer"].startswith("safefactor"):
       # The state is the theoretical minimum: float32 rows and columns, nothing else.
       assert row["state_bytes"] <= row["state_minimum_bytes"] + 64 * row["leaves"]
+  # The legend follows the table and explains every column, with units and bounds.
+  table, legend = result.stdout.split("\n\n", 1)
+  header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+  assert len(table.splitlines()) == 2 + len(rows)
+  for column in header:
+    name = column.removesuffix(" (min / median / max)")
+    assert f"\n  {name}  " in legend, name
+  words = " ".join(legend.split())
+  assert "min / median / max" in words and "in percent" in words
+  assert "it can exceed 100%: the traffic counts every pass" in words
+
+
+def test_bench_json_path_checked_before_measuring(tmp_path):
+  result = _bench(*SMALL_RUN, "--json", "/proc/x/bench.json", cwd=tmp_path)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "python -m optax_safefactor bench: error: cannot write --json /proc/x/bench.json: "
+      "No such file or directory"]
+  assert result.stdout == ""
+
+
+def test_bench_help_documents_every_option_and_duration(tmp_path):
+  parser = bench.build_parser()
+  actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+  assert {o for a in actions for o in a.option_strings} == {
+      "--trees", "--dtypes", "--scale", "--repetitions", "--json"}
+  assert all(a.help and len(a.help) > 20 for a in actions)
+  result = _bench("--help", cwd=tmp_path)
+  assert result.returncode == 0
+  text = " ".join(result.stdout.split())
+  for tree in bench.TREES:
+    assert tree in text
+  assert "A full run (the defaults) takes about" in text and "minutes" in text
+  assert f"a small one ({' '.join(SMALL_RUN)}) about" in text
+
+
+def test_legend_notes_what_makes_a_run_hard_to_read():
+  row = {"tree": "vit-b16", "repetitions": 1, "bandwidth_fraction": 1.1, "factored_leaves": 0}
+  text = " ".join(bench.legend([row]).split())
+  assert "fewer than 3 repetitions" in text and "1 row(s) above 100% bandwidth" in text
+  assert "no leaf of vit-b16 is factored" in text
+  row = {"tree": "vit-b16", "repetitions": 5, "bandwidth_fraction": 0.9, "factored_leaves": 50}
+  assert "Note" not in bench.legend([row])
+
+
+@pytest.mark.parametrize("module", ["bench.py", "demo.py", "__main__.py"])
+def test_command_line_uses_only_the_public_api(module):
+  source = (pathlib.Path(bench.__file__).parent / module).read_text()
+  imported = [node.module for node in ast.walk(ast.parse(source))
+              if isinstance(node, ast.ImportFrom) and node.module]
+  imported += [alias.name for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.Import) for alias in node.names]
+  assert not [name for name in imported if "._src" in name or name.endswith("_src")]
+
+
+def test_factored_axes_follow_optax():
+  assert bench.factored_axes((300, 200)) == (1, 0)
+  assert bench.factored_axes((4, 300, 200)) == (2, 1)
+  assert bench.factored_axes((300, 100)) is None
+  assert bench.factored_axes((1024,)) is None
+  # Rows drop the largest axis, columns the second largest; the unfactored leaf is whole.
+  params = {"w": jnp.zeros((4, 300, 200)), "b": jnp.zeros((300, 100))}
+  assert bench.minimum_state_bytes(params, momentum=False) == (
+      64 + 4 * (4 * 300 + 4 * 200) + 4 * 300 * 100)
 
 
 def test_minimum_traffic_counts_passes_over_each_array():

@@ -1,9 +1,15 @@
 """The main job: ``python -m optax_safefactor`` runs, prints its table, writes its plot."""
 
+import argparse
 import os
 import pathlib
 import subprocess
 import sys
+
+import numpy as np
+import pytest
+
+from optax_safefactor import demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,3 +46,56 @@ def test_bad_flag_is_a_usage_error(tmp_path):
 def test_help(tmp_path):
   result = _run("--help", cwd=tmp_path)
   assert result.returncode == 0 and "--dtype" in result.stdout and "--seed" in result.stdout
+  # The benchmark is a subcommand, found from the top-level help with what it costs.
+  assert "python -m optax_safefactor bench" in result.stdout
+  assert "bench --help" in result.stdout and "minutes" in result.stdout
+
+
+def test_every_option_is_documented():
+  actions = [a for a in demo.build_parser()._actions if not isinstance(a, argparse._HelpAction)]
+  assert {o for a in actions for o in a.option_strings} == {
+      "--steps", "--dtype", "--out", "--seed"}
+  assert all(a.help and len(a.help) > 10 for a in actions)
+
+
+def test_unwritable_out_fails_before_training(tmp_path):
+  result = _run("--out", "/proc/x", "--steps", "2", "--dtype", "float16", cwd=tmp_path)
+  assert result.returncode == 2
+  # One line naming the path and the reason; no traceback, no progress bar: nothing ran.
+  assert result.stderr.strip().splitlines() == [
+      "python -m optax_safefactor: error: cannot write the plot to --out /proc/x: "
+      "No such file or directory"]
+  assert result.stdout == ""
+
+
+def test_unwritable_folder_reasons(tmp_path):
+  assert demo.unwritable_folder(tmp_path / "a" / "b") is None
+  assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe is removed
+  (tmp_path / "file").write_text("")
+  assert demo.unwritable_folder(tmp_path / "file") == "it exists and is not a folder"
+  reason = demo.unwritable_folder(tmp_path / "file" / "below")
+  assert reason is not None and "Not a directory" in reason
+
+
+def _result(optimizer, dtype, steps):
+  losses = list(np.linspace(3.0, 2.0, steps))
+  return demo.RunResult(optimizer, dtype, losses, 0, None, 1024, 1.0)
+
+
+@pytest.mark.parametrize("dtypes", [("float16", "bfloat16"), ("bfloat16", "float16")])
+def test_plot_panels_follow_the_table_and_ticks_are_whole_steps(dtypes):
+  import matplotlib.pyplot as plt
+
+  results = [_result(name, dtype, 5) for dtype in dtypes
+             for name in ("safefactor", "optax.adafactor")]
+  table_dtypes = [line.split(" | ")[1] for line in demo.results_table(results).splitlines()[2:]]
+  figure = demo.loss_figure(results)
+  try:
+    figure.canvas.draw()
+    titles = [axis.get_title() for axis in figure.axes]
+    assert titles == [f"params in {d}" for d in dict.fromkeys(table_dtypes)]
+    for axis in figure.axes:
+      ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
+      assert ticks and all(float(t).is_integer() for t in ticks), ticks
+  finally:
+    plt.close(figure)
