@@ -86,7 +86,23 @@ class RunResult:
   ms_per_step: float
 
 
-def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress) -> RunResult:
+def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
+               param_rounding: str | None):
+  if optimizer_name == "safefactor":
+    tx = osf.safefactor(learning_rate, param_rounding=param_rounding or "nearest")
+    # optax.MultiSteps would poison its accumulator for ever on one NaN micro-batch.
+    return osf.accumulate_gradients(tx, accumulate) if accumulate > 1 else tx
+  tx = optax.adafactor(learning_rate)
+  return optax.MultiSteps(tx, accumulate) if accumulate > 1 else tx
+
+
+def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress, *,
+          accumulate: int = 1, learning_rate: float = 1e-2,
+          param_rounding: str | None = None) -> RunResult:
+  """``steps`` optimizer steps, each on ``BATCH_SIZE`` sequences in ``accumulate`` micro-batches.
+
+  The loss recorded for a step is the mean of its micro-batch losses.
+  """
   from flax import nnx
 
   corpus = load_corpus()
@@ -94,10 +110,12 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress)
   encoded = np.array([alphabet.index(c) for c in corpus], np.int32)
   dtype = jnp.dtype(dtype_name)
   model = _build_model(len(alphabet), dtype, seed)
-  tx = osf.safefactor(1e-2) if optimizer_name == "safefactor" else optax.adafactor(1e-2)
+  tx = _optimizer(optimizer_name, learning_rate, accumulate, param_rounding)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   rng = np.random.default_rng(seed)
 
+  # One compiled micro-step, called `accumulate` times per optimizer step: the
+  # accumulating transformation emits the update on the last micro-batch of a group.
   @nnx.jit
   def step(model, optimizer, tokens):
     def loss_fn(model):
@@ -113,10 +131,14 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress)
   losses, nonfinite_steps, started = [], 0, None
   for index in range(steps):
     starts = rng.integers(0, len(encoded) - SEQUENCE_LENGTH - 1, BATCH_SIZE)
-    tokens = jnp.asarray(np.stack([encoded[s:s + SEQUENCE_LENGTH + 1] for s in starts]))
-    loss, params_finite = step(model, optimizer, tokens)
-    losses.append(float(loss))
-    nonfinite_steps += not bool(params_finite)
+    batch = np.stack([encoded[s:s + SEQUENCE_LENGTH + 1] for s in starts])
+    micro_losses, params_finite = [], True
+    for tokens in np.split(batch, accumulate):
+      loss, finite = step(model, optimizer, jnp.asarray(tokens))
+      micro_losses.append(float(loss))
+      params_finite = params_finite and bool(finite)
+    losses.append(float(np.mean(micro_losses)))
+    nonfinite_steps += not params_finite
     if index == 0:
       started = time.perf_counter()  # the first step includes compilation
     progress.update(1)
@@ -236,7 +258,7 @@ EPILOG = "subcommand:\n" + wrap(
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog=PROG,
-      usage=f"{PROG} [-h] [--steps N] [--dtype DTYPE] [--out DIR] [--seed N]\n"
+      usage=f"{PROG} [-h] [--steps N] [--dtype DTYPE] [--out DIR] [--seed N] [--accumulate K]\n"
             f"       {PROG} bench [-h] [options]",
       description=wrap(
           "Train a tiny transformer in float16 and bfloat16 with safefactor and with "
@@ -251,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="DIR",
                       help="folder for the plot, created if missing (./safefactor-demo)")
   parser.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (0)")
+  parser.add_argument(
+      "--accumulate", type=int, default=1, metavar="K",
+      help=f"split each batch of {BATCH_SIZE} sequences into K micro-batches and accumulate "
+           "their gradients: osf.accumulate_gradients around safefactor, optax.MultiSteps "
+           f"around optax.adafactor; K divides {BATCH_SIZE}; --steps counts optimizer steps "
+           "(1: off)")
   return parser
 
 
@@ -259,6 +287,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.steps < 2:
     parser.error("--steps must be at least 2")
+  if args.accumulate < 1 or BATCH_SIZE % args.accumulate:
+    parser.error(f"--accumulate must be a positive divisor of the batch size {BATCH_SIZE}")
   return args
 
 
@@ -277,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   with tqdm(total=len(runs) * args.steps, unit="step", file=sys.stderr) as progress:
     for name, dtype in runs:
       progress.set_description(f"{name} / {dtype}")
-      results.append(train(name, dtype, args.steps, args.seed, progress))
+      results.append(train(name, dtype, args.steps, args.seed, progress,
+                           accumulate=args.accumulate))
   print(results_table(results))
   path = args.out / "loss_curves.png"
   plot(results, path)

@@ -43,6 +43,22 @@ def test_bad_flag_is_a_usage_error(tmp_path):
   assert result.returncode == 2 and "unrecognized arguments" in result.stderr
 
 
+def test_accumulate_counts_optimizer_steps(tmp_path):
+  result = _run("--steps", "2", "--accumulate", "4", "--dtype", "bfloat16",
+                "--out", str(tmp_path / "out"), cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  safe = next(line for line in result.stdout.splitlines()
+              if line.startswith("| safefactor | bfloat16"))
+  assert "| 0 / 2 |" in safe  # two optimizer steps of four micro-batches each
+
+
+@pytest.mark.parametrize("k", ["0", "3", "-4"])
+def test_accumulate_must_divide_the_batch(tmp_path, k):
+  result = _run("--accumulate", k, cwd=tmp_path)
+  assert result.returncode == 2
+  assert "--accumulate must be a positive divisor of the batch size 16" in result.stderr
+
+
 def test_help(tmp_path):
   result = _run("--help", cwd=tmp_path)
   assert result.returncode == 0 and "--dtype" in result.stdout and "--seed" in result.stdout
@@ -54,7 +70,7 @@ def test_help(tmp_path):
 def test_every_option_is_documented():
   actions = [a for a in demo.build_parser()._actions if not isinstance(a, argparse._HelpAction)]
   assert {o for a in actions for o in a.option_strings} == {
-      "--steps", "--dtype", "--out", "--seed"}
+      "--steps", "--dtype", "--out", "--seed", "--accumulate"}
   assert all(a.help and len(a.help) > 10 for a in actions)
 
 
