@@ -28,6 +28,7 @@ import optax_safefactor as osf
 
 SEQUENCE_LENGTH = 64
 BATCH_SIZE = 16
+ROUNDING_STEPS = 150
 WIDTH = 128
 LAYERS = 2
 HEADS = 4
@@ -84,6 +85,28 @@ class RunResult:
   skipped_steps: int | None
   state_bytes: int
   ms_per_step: float
+  rounding: str = "nearest"  # how the update is written back into the params
+  learning_rate: float = 1e-2
+  comparison: str = "dtype"  # "dtype" (float16 and bfloat16) or "rounding"
+
+  @property
+  def tail_loss(self) -> float:
+    """The mean loss of the last 20 steps: one step's loss is too noisy to compare."""
+    return float(np.mean(self.losses[-TAIL:]))
+
+
+TAIL = 20
+# The write-back comparison: bfloat16 params at a learning rate where Adafactor's updates
+# (about lr times the param's RMS) fall below half a bfloat16 ulp, so round-to-nearest
+# drops most of them; float32 params are the reference.
+ROUNDING_LEARNING_RATE = 1e-3
+ROUNDING_RUNS = (
+    ("safefactor", "float32", "nearest"),
+    ("safefactor", "bfloat16", "nearest"),
+    ("safefactor", "bfloat16", "stochastic"),
+    ("safefactor", "bfloat16", "kahan"),
+    ("optax.adafactor", "bfloat16", "nearest"),
+)
 
 
 def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
@@ -147,49 +170,69 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress,
   skipped = int(osf.skipped_steps(optimizer.opt_state)) if optimizer_name == "safefactor" else None
   return RunResult(
       optimizer_name, dtype_name, losses, nonfinite_steps, skipped,
-      sum(np.asarray(leaf).nbytes for leaf in state_leaves), ms_per_step)
+      sum(np.asarray(leaf).nbytes for leaf in state_leaves), ms_per_step,
+      param_rounding or "nearest", learning_rate)
 
 
 def results_table(results: Sequence[RunResult]) -> str:
-  header = ("| optimizer | params | final loss | steps with non-finite params | steps skipped "
-            "| optimizer state | ms / step |")
-  rows = [header, "|---|---|---|---|---|---|---|"]
+  header = (f"| optimizer | params | write-back | lr | final loss | mean loss, last {TAIL} steps "
+            "| steps with non-finite params | steps skipped | optimizer state | ms / step |")
+  rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
-    final = r.losses[-1]
     rows.append(
-        f"| {r.optimizer} | {r.dtype} | {final:.3f} | {r.nonfinite_param_steps} / {len(r.losses)} "
+        f"| {r.optimizer} | {r.dtype} | {r.rounding} | {r.learning_rate:g} | {r.losses[-1]:.3f} "
+        f"| {r.tail_loss:.3f} | {r.nonfinite_param_steps} / {len(r.losses)} "
         f"| {'n/a' if r.skipped_steps is None else r.skipped_steps} "
         f"| {r.state_bytes / 1024:.1f} KiB | {r.ms_per_step:.1f} |"
     )
   return "\n".join(rows)
 
 
+def _panels(results: Sequence[RunResult]):
+  """(title, runs, smoothed) per panel: the dtype comparison's panels, then the write-back one."""
+  dtype_runs = [r for r in results if r.comparison == "dtype"]
+  panels = [(f"params in {dtype}", [r for r in dtype_runs if r.dtype == dtype], False)
+            for dtype in dict.fromkeys(r.dtype for r in dtype_runs)]
+  rounding = [r for r in results if r.comparison == "rounding"]
+  if rounding:
+    # Smoothed: the gap between write-back modes is smaller than one step's noise.
+    panels.append((f"write-back at lr {rounding[0].learning_rate:g} "
+                   f"(mean of {TAIL} steps)", rounding, True))
+  return panels
+
+
 def loss_figure(results: Sequence[RunResult]):
-  """One panel per dtype, left to right in the order of the table's rows."""
+  """One panel per dtype, left to right in the order of the table's rows, then write-back."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from matplotlib.ticker import MaxNLocator
 
-  dtypes = list(dict.fromkeys(r.dtype for r in results))
-  figure, axes = plt.subplots(1, len(dtypes), figsize=(11, 4), squeeze=False)
-  for axis, dtype in zip(axes[0], dtypes, strict=True):
-    for r in (r for r in results if r.dtype == dtype):
+  panels = _panels(results)
+  figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+  for axis, (title, runs, smoothed) in zip(axes[0], panels, strict=True):
+    for r in runs:
       losses = np.asarray(r.losses)
       style = "-" if r.optimizer == "safefactor" else "--"
-      axis.plot(np.arange(len(losses)), losses, style, label=r.optimizer)
-      bad = np.flatnonzero(~np.isfinite(losses))
+      label = r.optimizer
+      if smoothed:
+        label = f"{r.optimizer}, {r.dtype} {r.rounding}"
+        window = min(TAIL, len(losses))
+        losses = np.convolve(losses, np.ones(window) / window, mode="valid")
+      offset = len(r.losses) - len(losses)  # a running mean starts at its window's end
+      axis.plot(offset + np.arange(len(losses)), losses, style, label=label)
+      bad = np.flatnonzero(~np.isfinite(r.losses))
       if bad.size:
         axis.axvline(bad[0], color="red", alpha=0.4)
         axis.annotate(f"{r.optimizer}: NaN from step {bad[0]}", (bad[0], axis.get_ylim()[1]),
                       xytext=(5, -15), textcoords="offset points", color="red", fontsize=8)
-    axis.set_title(f"params in {dtype}")
+    axis.set_title(title)
     axis.set_xlabel("step")
     # Steps are whole numbers; left alone, a short run gets ticks at 0.5, 1.5, ...
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set_ylabel("training loss (cross-entropy)")
-    axis.legend()
+    axis.legend(fontsize=8)
   figure.suptitle("Character-level transformer on the Apache-2.0 text")
   figure.tight_layout()
   return figure
@@ -258,7 +301,8 @@ EPILOG = "subcommand:\n" + wrap(
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog=PROG,
-      usage=f"{PROG} [-h] [--steps N] [--dtype DTYPE] [--out DIR] [--seed N] [--accumulate K]\n"
+      usage=f"{PROG} [-h] [--steps N] [--dtype DTYPE] [--out DIR] [--seed N]\n"
+            f"       {' ' * len(PROG)} [--rounding-steps N] [--accumulate K]\n"
             f"       {PROG} bench [-h] [options]",
       description=wrap(
           "Train a tiny transformer in float16 and bfloat16 with safefactor and with "
@@ -274,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for the plot, created if missing (./safefactor-demo)")
   parser.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (0)")
   parser.add_argument(
+      "--rounding-steps", type=int, default=ROUNDING_STEPS, metavar="N",
+      help=f"steps of each write-back run: bfloat16 params at lr {ROUNDING_LEARNING_RATE:g} "
+           "with safefactor's param_rounding nearest, stochastic and kahan, against float32 "
+           "params and optax.adafactor; 0 skips them. The default keeps the whole run near "
+           "two minutes on 2 CPU cores and already shows round-to-nearest stalling (its "
+           "loss about 18% above float32 params'); 400 widens the gap and takes about "
+           f"twice as long ({ROUNDING_STEPS})")
+  parser.add_argument(
       "--accumulate", type=int, default=1, metavar="K",
       help=f"split each batch of {BATCH_SIZE} sequences into K micro-batches and accumulate "
            "their gradients: osf.accumulate_gradients around safefactor, optax.MultiSteps "
@@ -287,6 +339,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.steps < 2:
     parser.error("--steps must be at least 2")
+  if args.rounding_steps != 0 and args.rounding_steps < 2:
+    parser.error("--rounding-steps must be 0 or at least 2")
   if args.accumulate < 1 or BATCH_SIZE % args.accumulate:
     parser.error(f"--accumulate must be a positive divisor of the batch size {BATCH_SIZE}")
   return args
@@ -303,12 +357,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   dtypes = ("float16", "bfloat16") if args.dtype == "both" else (args.dtype,)
   runs = [(name, dtype) for dtype in dtypes for name in ("safefactor", "optax.adafactor")]
+  rounding_runs = ROUNDING_RUNS if args.rounding_steps else ()
+  total = len(runs) * args.steps + len(rounding_runs) * args.rounding_steps
   results = []
-  with tqdm(total=len(runs) * args.steps, unit="step", file=sys.stderr) as progress:
+  with tqdm(total=total, unit="step", file=sys.stderr) as progress:
     for name, dtype in runs:
       progress.set_description(f"{name} / {dtype}")
       results.append(train(name, dtype, args.steps, args.seed, progress,
                            accumulate=args.accumulate))
+    for name, dtype, rounding in rounding_runs:
+      progress.set_description(f"{name} / {dtype} {rounding}")
+      result = train(name, dtype, args.rounding_steps, args.seed, progress,
+                     accumulate=args.accumulate, learning_rate=ROUNDING_LEARNING_RATE,
+                     param_rounding=rounding if name == "safefactor" else None)
+      results.append(dataclasses.replace(result, comparison="rounding"))
   print(results_table(results))
   path = args.out / "loss_curves.png"
   plot(results, path)

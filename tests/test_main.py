@@ -21,11 +21,11 @@ def _run(*args, cwd):
 
 
 def test_demo_prints_table_and_writes_plot(tmp_path):
-  result = _run("--steps", "12", "--dtype", "float16", "--out", str(tmp_path / "out"),
-                cwd=tmp_path)
+  result = _run("--steps", "12", "--dtype", "float16", "--rounding-steps", "0",
+                "--out", str(tmp_path / "out"), cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
-  assert lines[0].startswith("| optimizer | params | final loss")
+  assert lines[0].startswith("| optimizer | params | write-back | lr | final loss")
   safe = next(line for line in lines if line.startswith("| safefactor | float16"))
   optax_row = next(line for line in lines if line.startswith("| optax.adafactor | float16"))
   assert "| 0 / 12 |" in safe and "nan" not in safe
@@ -44,7 +44,7 @@ def test_bad_flag_is_a_usage_error(tmp_path):
 
 
 def test_accumulate_counts_optimizer_steps(tmp_path):
-  result = _run("--steps", "2", "--accumulate", "4", "--dtype", "bfloat16",
+  result = _run("--steps", "2", "--accumulate", "4", "--dtype", "bfloat16", "--rounding-steps", "0",
                 "--out", str(tmp_path / "out"), cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   safe = next(line for line in result.stdout.splitlines()
@@ -59,6 +59,23 @@ def test_accumulate_must_divide_the_batch(tmp_path, k):
   assert "--accumulate must be a positive divisor of the batch size 16" in result.stderr
 
 
+def test_write_back_comparison(tmp_path):
+  result = _run("--steps", "2", "--dtype", "bfloat16", "--rounding-steps", "3",
+                "--out", str(tmp_path / "out"), cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [line for line in result.stdout.splitlines() if "| 0.001 |" in line]
+  assert [row.split(" | ")[:3] for row in rows] == [
+      ["| safefactor", "float32", "nearest"], ["| safefactor", "bfloat16", "nearest"],
+      ["| safefactor", "bfloat16", "stochastic"], ["| safefactor", "bfloat16", "kahan"],
+      ["| optax.adafactor", "bfloat16", "nearest"]]
+  assert all("| 0 / 3 |" in row and "nan" not in row for row in rows)
+
+
+def test_rounding_steps_is_zero_or_at_least_two(tmp_path):
+  result = _run("--rounding-steps", "1", cwd=tmp_path)
+  assert result.returncode == 2 and "--rounding-steps must be 0 or at least 2" in result.stderr
+
+
 def test_help(tmp_path):
   result = _run("--help", cwd=tmp_path)
   assert result.returncode == 0 and "--dtype" in result.stdout and "--seed" in result.stdout
@@ -70,7 +87,7 @@ def test_help(tmp_path):
 def test_every_option_is_documented():
   actions = [a for a in demo.build_parser()._actions if not isinstance(a, argparse._HelpAction)]
   assert {o for a in actions for o in a.option_strings} == {
-      "--steps", "--dtype", "--out", "--seed", "--accumulate"}
+      "--steps", "--dtype", "--out", "--seed", "--rounding-steps", "--accumulate"}
   assert all(a.help and len(a.help) > 10 for a in actions)
 
 
@@ -93,9 +110,9 @@ def test_unwritable_folder_reasons(tmp_path):
   assert reason is not None and "Not a directory" in reason
 
 
-def _result(optimizer, dtype, steps):
+def _result(optimizer, dtype, steps, **fields):
   losses = list(np.linspace(3.0, 2.0, steps))
-  return demo.RunResult(optimizer, dtype, losses, 0, None, 1024, 1.0)
+  return demo.RunResult(optimizer, dtype, losses, 0, None, 1024, 1.0, **fields)
 
 
 @pytest.mark.parametrize("dtypes", [("float16", "bfloat16"), ("bfloat16", "float16")])
@@ -113,5 +130,24 @@ def test_plot_panels_follow_the_table_and_ticks_are_whole_steps(dtypes):
     for axis in figure.axes:
       ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
       assert ticks and all(float(t).is_integer() for t in ticks), ticks
+  finally:
+    plt.close(figure)
+
+
+def test_write_back_panel_follows_the_dtype_panels():
+  import matplotlib.pyplot as plt
+
+  results = [_result("safefactor", "float16", 5), _result("optax.adafactor", "float16", 5)]
+  results += [_result("safefactor", dtype, 30, rounding=rounding, learning_rate=1e-3,
+                      comparison="rounding")
+              for dtype, rounding in [("float32", "nearest"), ("bfloat16", "stochastic")]]
+  table = demo.results_table(results).splitlines()
+  assert "| safefactor | bfloat16 | stochastic | 0.001 | 2.000 | 2.328 |" in table[-1]
+  figure = demo.loss_figure(results)
+  try:
+    titles = [axis.get_title() for axis in figure.axes]
+    assert titles == ["params in float16", "write-back at lr 0.001 (mean of 20 steps)"]
+    labels = [line.get_label() for line in figure.axes[1].get_lines()]
+    assert labels == ["safefactor, float32 nearest", "safefactor, bfloat16 stochastic"]
   finally:
     plt.close(figure)
