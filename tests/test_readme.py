@@ -61,7 +61,8 @@ def test_the_printed_comments_are_true():
       "osf.check_nonfinite_steps(opt_state, max_consecutive=3)", ""))
   lines = output.strip().splitlines()
   assert lines[:2] == ["2", "2"]
-  assert lines[2] == "skipped 2 of 4 steps (0 in a row); non-finite: params['b'] x2 (last at step 2)"
+  assert lines[2] == ("skipped 2 of 4 steps (0 in a row); "
+                      "non-finite: params['b'] x2 (last at step 2)")
   low = _run(SECTIONS["Low-precision params"][0]).strip().splitlines()
   values = {line.split()[0]: float(line.split()[1]) for line in low}
   assert values["nearest"] == 1.0
