@@ -1,6 +1,7 @@
 """Test session set-up: 8 CPU devices and strict promotion, before JAX starts its backend."""
 
 import os
+import re
 
 import jax
 
@@ -56,19 +57,20 @@ def pytest_collection_modifyitems(config, items):
 
 # .ci/run's core-floor venv has no flax extra on purpose (flax 0.12.4 needs a newer JAX than the
 # core's floor), and sets this. There, and only there, a test that fails for want of flax or
-# orbax is reported as skipped, naming the module; anywhere else a missing module is an error.
+# orbax, in this process or in a subprocess it runs (the README's sections), is reported as
+# skipped, naming the module; anywhere else a missing module is an error.
 _WITHOUT_FLAX = os.environ.get("OPTAX_SAFEFACTOR_WITHOUT_FLAX") == "1"
+_NO_FLAX = re.compile(r"No module named '(flax|orbax)[.']")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   outcome = yield
-  excinfo = call.excinfo
-  if not (_WITHOUT_FLAX and excinfo is not None and excinfo.errisinstance(ModuleNotFoundError)):
+  if not _WITHOUT_FLAX or call.excinfo is None:
     return
-  missing = (excinfo.value.name or "").split(".")[0]
-  if missing in ("flax", "orbax"):
+  missing = _NO_FLAX.search(str(call.excinfo.value))
+  if missing:
     report = outcome.get_result()
     report.outcome = "skipped"
     report.longrepr = (str(item.path), item.location[1] or 0,
-                       f"Skipped: needs the flax extra ({missing} is not installed here)")
+                       f"Skipped: needs the flax extra ({missing[1]} is not installed here)")
