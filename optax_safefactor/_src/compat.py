@@ -35,3 +35,23 @@ def full(
   if _FULL_HAS_OUT_SHARDING:
     return jnp.full(shape, fill_value, dtype, out_sharding=out_sharding)
   return jax.sharding.reshard(jnp.full(shape, fill_value, dtype), out_sharding)
+
+
+def match_sharding(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` placed as ``like`` is, where explicit mesh axes make placement part of the type.
+
+  Inside ``jax.jit`` on a mesh with Explicit axes, an array built from indices (``iota``)
+  is replicated while a param is sharded. From JAX 0.8.0, ``jnp.where`` and friends reshard
+  such an operand themselves; JAX 0.7.x raises ``select cases must have the same
+  shardings``. Anywhere else (Auto axes, eager arrays, equal shardings) ``x`` is returned
+  unchanged.
+  """
+  if not isinstance(like, jax.core.Tracer):
+    return x
+  sharding = getattr(jax.typeof(like), "sharding", None)
+  axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  if not any(axis_type == jax.sharding.AxisType.Explicit for axis_type in axis_types):
+    return x
+  if jax.typeof(x).sharding.spec == sharding.spec or x.shape != like.shape:
+    return x
+  return jax.sharding.reshard(x, sharding.spec)
