@@ -35,6 +35,11 @@ def test_dtype_momentum_none_means_the_params_dtype():
     assert state.inner_state.momentum["w"].dtype == dtype
 
 
+@pytest.mark.skipif(
+    tuple(int(part) for part in optax.__version__.split(".")[:3]) < (0, 2, 8),
+    reason="optax before 0.2.8 hands inject_hyperparams' dtype arguments over as float32 "
+    "arrays, so the class cannot be recovered",
+)
 def test_injected_dtype_momentum_class_needs_no_conversion_warning():
   # inject_hyperparams calls a dtype class as a schedule (jnp.bfloat16(count)); 0.1 then
   # converted that array back to a dtype with a DeprecationWarning.
@@ -72,5 +77,5 @@ def test_map_params_with_a_params_shaped_tree_says_why_it_cannot():
   # them. optax raises its structure error; this pins that it does not pass silently.
   params = _params()
   tx = osf.safefactor(0.1)
-  with pytest.raises(ValueError, match="pytree structure"):
+  with pytest.raises(ValueError, match=r"(?i)structure|named tuple"):
     optax.tree.map_params(tx, lambda x, p: x, tx.init(params), params)

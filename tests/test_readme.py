@@ -47,7 +47,7 @@ def test_section_runs_as_written(title):
   output = _run("\n".join(SECTIONS[title]))
   expected = {
       "Quickstart": "0",
-      "Sharded training, several hosts, scanned layers": "P('data', None)\n(4, 128, 1)",
+      "Sharded training, several hosts, scanned layers": "('data', None)\n(4, 128, 1)",
       "Checkpoints": "SkipNonfiniteState",
       "Migrating a running `optax.adafactor` job": "(1, 128)",
   }

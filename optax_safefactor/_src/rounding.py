@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import numerics
+from optax_safefactor._src import compat, numerics
 
 DTypeLike = Any
 KeyPath = tuple[Any, ...]
@@ -441,6 +441,7 @@ def stochastic_round(x: jax.Array, dtype: DTypeLike, bits: jax.Array) -> jax.Arr
   dtype = np.dtype(dtype)
   if x.dtype == dtype:
     return x
+  bits = compat.match_sharding(bits, x)
   if dtype == np.dtype(jnp.bfloat16) and x.dtype == np.dtype(jnp.float32):
     return _stochastic_round_bfloat16(x, bits)
   return _stochastic_round_generic(x, dtype, bits)
