@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -45,6 +50,7 @@ if importlib.util.find_spec("optax_safefactor") is None:
 
 # %%
 import pathlib
+import shutil
 import tempfile
 
 import jax
@@ -112,3 +118,9 @@ for name in params:
     print(f"{name}: max |safefactor - optax| = {difference:.2e}")
     assert difference < 1e-5
 print(osf.nonfinite_summary(state))
+
+# %% [markdown]
+# ## Clean up: remove the demonstration checkpoint
+
+# %%
+shutil.rmtree(directory.parent)
