@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -117,6 +122,14 @@ plt.show()
 # %% [markdown]
 # optax's curve stops at once: its loss is NaN from the second step. safefactor keeps its
 # statistics in float32, starts them at an epsilon floor and floors every rsqrt.
+#
+# safefactor's loss jumps after the first step (from about 0.66 to about 9) before it falls.
+# That is Adafactor's first step, not a fault: its second-moment decay starts at
+# beta2 = 1 - 1**-0.8 = 0, so the first statistics are that step's squared gradient alone
+# and the first update is the gradient divided by its own magnitude. Every weight then
+# moves by about `learning_rate` times its layer's RMS, however small its gradient was.
+# From the second step on the statistics average over steps and the steps shrink to what
+# each weight's gradient history supports.
 
 # %% [markdown]
 # ## Skipped steps
