@@ -1,0 +1,46 @@
+"""The param_rounding benchmark runs end to end in its small mode and reports what it promises."""
+
+import json
+
+import pytest
+
+from optax_safefactor import bench_rounding
+
+
+def test_small_run_reports_cost_and_memory(tmp_path, capsys):
+  out = tmp_path / "new" / "rounding.json"  # a missing folder is created
+  assert bench_rounding.main(["--small", "--json", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert "| tree | config | mode | step (min / median / max)" in printed
+  assert "| tree | optimizer and params | params | optimizer state |" in printed
+  figures = json.loads(out.read_text())
+
+  cost = {row["mode"]: row for row in figures["cost"]}
+  assert set(cost) == set(bench_rounding.MODES)
+  n_params = cost["nearest"]["params"]
+  for row in cost.values():
+    assert len(row["step_s_rounds"]) == row["repetitions"] == 2
+    assert 0 < row["step_ratio_min"] <= row["step_ratio"] <= row["step_ratio_max"]
+    assert row["temp_bytes"] is not None and row["compile_s"] > 0
+  assert cost["nearest"]["step_ratio_min"] == cost["nearest"]["step_ratio_max"] == 1
+  # The issue's state contract: no per-element state for stochastic rounding, exactly two
+  # bytes per bfloat16 param for Kahan's compensation.
+  assert cost["stochastic"]["state_bytes"] == cost["nearest"]["state_bytes"]
+  assert cost["kahan"]["state_bytes"] - cost["nearest"]["state_bytes"] == 2 * n_params
+
+  memory = {row["optimizer"]: row["total_bytes_per_param"] for row in figures["memory"]}
+  # A few scalar counters on top of the per-element bytes.
+  assert memory["AdamW, bfloat16 params + float32 master weights"] == pytest.approx(14, abs=1e-3)
+  assert memory["AdamW, float32 params"] == pytest.approx(12, abs=1e-3)
+  factored = memory["safefactor, bfloat16 params, nearest"] - 2  # the statistics, per param
+  assert 0 < factored < 0.1
+  assert memory["safefactor, bfloat16 params, stochastic"] == pytest.approx(2 + factored)
+  assert memory["safefactor, bfloat16 params, kahan"] == pytest.approx(4 + factored)
+  assert memory["safefactor, float32 params"] == pytest.approx(4 + factored)
+
+
+def test_help_names_the_small_run(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    bench_rounding.main(["--help"])
+  assert exit_info.value.code == 0
+  assert "--small runs --trees scanned-24" in " ".join(capsys.readouterr().out.split())
