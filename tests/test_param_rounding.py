@@ -369,6 +369,46 @@ def test_many_small_updates_on_one_value():
 # --- determinism, seeds, skipped steps -------------------------------------------------------
 
 
+@pytest.mark.parametrize("seed", [0, 5, -5, 2**31 - 1, -(2**31)])
+def test_a_seed_array_keys_the_bits_of_the_same_int(seed):
+  # optax.inject_hyperparams hands rounding_seed to the step as an int32 array.
+  args = (3, rounding.path_hash("['w']"), rounding.STREAM_PARAMS)
+  want = rounding.stream_key(seed, *args)
+  assert int(rounding.stream_key(jnp.asarray(seed, jnp.int32), *args)) == int(want)
+  assert int(jax.jit(rounding.stream_key, static_argnums=(2, 3))(
+      jnp.asarray(seed, jnp.int32), *args)) == int(want)
+
+
+@pytest.mark.parametrize("seed", [2**40 + 7, -(2**40) - 7, -1])
+def test_a_64_bit_seed_array_keys_the_bits_of_the_same_int(x64, seed):
+  args = (3, rounding.path_hash("['w']"), rounding.STREAM_PARAMS)
+  assert int(rounding.stream_key(jnp.asarray(seed, jnp.int64), *args)) == int(
+      rounding.stream_key(seed, *args))
+  # Seeds that differ only above the low word draw different bits.
+  assert int(rounding.stream_key(jnp.asarray(seed, jnp.int64), *args)) != int(
+      rounding.stream_key(seed & (2**32 - 1), *args))
+
+
+def test_an_injected_seed_draws_the_bits_of_the_static_seed():
+  """``inject_hyperparams(safefactor)(rounding_seed=-5)`` steps as ``rounding_seed=-5`` does.
+
+  Before the fix a seed array kept only its low word: negative seeds drew other bits than
+  the same Python int, and 64-bit seeds that differ only above the low word the same bits.
+  """
+  params = _tree(0)
+  settings = dict(learning_rate=1e-3, momentum=0.9, param_rounding="stochastic",
+                  rounding_seed=-5, skip_nonfinite_steps=False)
+  static = osf.safefactor(**settings)
+  # Float hyperparameters stay float32 (not the params' bfloat16) and the factoring
+  # decision stays static, so that only the seed's form differs between the two.
+  injected = optax.inject_hyperparams(
+      osf.safefactor, static_args=("min_dim_size_to_factor",), hyperparam_dtype=jnp.float32,
+  )(**settings)
+  assert injected.init(params).hyperparams["rounding_seed"].dtype == jnp.int32
+  grads = [_grads_at(params, 0)]
+  _assert_bitwise_equal(_loop(injected, params, grads)[0], _loop(static, params, grads)[0])
+
+
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
 def test_a_skipped_step_changes_nothing(mode):
   """The run with a NaN step equals the run without it: params and state, bit for bit.

@@ -125,15 +125,36 @@ def _uint32(value: Any) -> jax.Array:
   return value.astype(jnp.uint32)
 
 
+def _seed_words(seed: Any) -> tuple[Any, Any]:
+  """``seed`` as the high and low 32-bit words of a 64-bit two's-complement integer.
+
+  An integer array gives the words of the Python int of the same value: the seed
+  arrives as an int32 array under ``optax.inject_hyperparams``, and it must draw the
+  bits of the int (a negative seed included; a 64-bit array keeps its high word).
+  """
+  if isinstance(seed, (int, np.integer)):
+    return int(seed) >> 32, int(seed)
+  seed = jnp.asarray(seed)
+  if not jnp.issubdtype(seed.dtype, jnp.integer):
+    raise TypeError(f"expected an integer seed, got dtype {seed.dtype}")
+  if seed.dtype.itemsize == 8:
+    return seed >> 32, seed
+  if jnp.issubdtype(seed.dtype, jnp.signedinteger):
+    # An arithmetic shift: all ones for a negative seed, as Python's ``-1 >> 32``.
+    seed = seed.astype(jnp.int32)
+    return seed >> 31, seed
+  return 0, seed
+
+
 def stream_key(seed: Any, step: Any, path_hash: Any, stream: Any) -> jax.Array:
   """The uint32 scalar key of one array of one leaf at one step.
 
-  ``seed`` (a Python int of up to 64 bits, or an integer array), ``step`` (traced
-  or not), ``path_hash`` and ``stream`` are absorbed in turn; each absorption is a
-  bijection in the absorbed value, so two keys that differ in one input differ.
+  ``seed`` (a Python int of up to 64 bits, or an integer array of the same value),
+  ``step`` (traced or not), ``path_hash`` and ``stream`` are absorbed in turn; each
+  absorption is a bijection in the absorbed value, so two keys that differ in one
+  input differ.
   """
-  is_int = isinstance(seed, (int, np.integer))
-  seed_words = (int(seed) >> 32, int(seed)) if is_int else (0, seed)
+  seed_words = _seed_words(seed)
   key = jnp.asarray(_KEY_START)
   for value in (*seed_words, step, path_hash, stream):
     key = _absorb(key, _uint32(value))
