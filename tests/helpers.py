@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import jax
@@ -113,3 +114,47 @@ def train_scanned(tx, params, loss, poison_flags):
   (params, state), (losses, finite) = jax.jit(
       lambda p, s: jax.lax.scan(step, (p, s), poison_flags))(params, tx.init(params))
   return params, state, losses, finite
+
+
+def tanh_mlp_regression(dtype, seed: int = 0):
+  """A tanh MLP (8-64-1) with params in ``dtype`` fitting a fixed float32 8-32-1 teacher.
+
+  Computation is float32 whatever the params' dtype, so only how updates are written
+  back to the params differs between dtypes. Returns ``(params, loss)``.
+  """
+
+  def init(key, sizes):
+    layers = []
+    for fan_in, fan_out in itertools.pairwise(sizes):
+      key, sub = jax.random.split(key)
+      weight = jax.random.normal(sub, (fan_in, fan_out)) / np.sqrt(fan_in)
+      layers.append({"w": weight.astype(dtype), "b": jnp.zeros((1, fan_out), dtype)})
+    return layers
+
+  def forward(layers, x):
+    for i, layer in enumerate(layers):
+      x = x @ layer["w"].astype(jnp.float32) + layer["b"].astype(jnp.float32)
+      x = jnp.tanh(x) if i < len(layers) - 1 else x
+    return x
+
+  inputs = jax.random.normal(jax.random.key(1), (128, 8))
+  teacher = jax.tree.map(lambda a: a.astype(jnp.float32), init(jax.random.key(2), [8, 32, 1]))
+  targets = forward(teacher, inputs)
+
+  def loss(params):
+    return jnp.mean((forward(params, inputs) - targets) ** 2)
+
+  return init(jax.random.key(seed), [8, 64, 1]), loss
+
+
+def mean_of_last_losses(tx, params, loss, steps: int, last: int = 20) -> float:
+  """Train ``steps`` steps in one jitted ``lax.scan``; the mean loss of the last ``last``."""
+
+  def step(carry, _):
+    params, state = carry
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state), value
+
+  run = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), None, length=steps)[1])
+  return float(jnp.mean(run(params, tx.init(params))[-last:]))

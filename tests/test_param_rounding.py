@@ -10,7 +10,6 @@ CPU); ``docs/benchmarks.md`` has them with the cost of each mode.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import flax.linen as nn
 import jax
@@ -27,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
 from optax_safefactor._src import rounding
+from tests.helpers import mean_of_last_losses, tanh_mlp_regression
 
 MODES = ("nearest", "stochastic", "kahan")
 SHAPES = {"w": (128, 256), "b": (256,)}
@@ -714,36 +714,10 @@ def test_bfloat16_statistics_track_the_float32_statistics_with_stochastic_roundi
 
 def _mlp_loss(dtype, mode, steps=300):
   """Mean loss of the last 20 of ``steps`` steps: a tanh MLP fitting a smaller teacher."""
-
-  def init(key, sizes):
-    layers = []
-    for fan_in, fan_out in itertools.pairwise(sizes):
-      key, sub = jax.random.split(key)
-      weight = jax.random.normal(sub, (fan_in, fan_out)) / np.sqrt(fan_in)
-      layers.append({"w": weight.astype(dtype), "b": jnp.zeros((1, fan_out), dtype)})
-    return layers
-
-  def forward(layers, x):
-    for i, layer in enumerate(layers):
-      x = x @ layer["w"].astype(jnp.float32) + layer["b"].astype(jnp.float32)
-      x = jnp.tanh(x) if i < len(layers) - 1 else x
-    return x
-
-  x = jax.random.normal(jax.random.key(1), (128, 8))
-  teacher = jax.tree.map(lambda a: a.astype(jnp.float32), init(jax.random.key(2), [8, 32, 1]))
-  y = forward(teacher, x)
-  params = init(jax.random.key(10), [8, 64, 1])
+  params, loss = tanh_mlp_regression(dtype, seed=10)
   tx = osf.safefactor(1e-3, momentum=0.9, param_rounding=mode, min_dim_size_to_factor=8,
                       skip_nonfinite_steps=False)
-
-  def step(carry, _):
-    params, state = carry
-    loss, grads = jax.value_and_grad(lambda p: jnp.mean((forward(p, x) - y) ** 2))(params)
-    updates, state = tx.update(grads, state, params)
-    return (optax.apply_updates(params, updates), state), loss
-
-  run = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), None, length=steps)[1])
-  return float(jnp.mean(run(params, tx.init(params))[-20:]))
+  return mean_of_last_losses(tx, params, loss, steps)
 
 
 def test_bfloat16_mlp_trains_like_float32_params():

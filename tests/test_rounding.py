@@ -9,7 +9,6 @@ module docstring of ``optax_safefactor/_src/rounding.py`` for the formulas)::
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 import zlib
 
@@ -46,6 +45,7 @@ from optax_safefactor._src.rounding import (
   stream_key,
   with_param_rounding,
 )
+from tests.helpers import mean_of_last_losses, tanh_mlp_regression
 
 NARROW = [jnp.bfloat16, jnp.float16]
 
@@ -684,40 +684,12 @@ def test_explicit_mode_bits_need_no_full_size_temporary():
 
 def _mlp_loss(dtype, mode, learning_rate=1e-3, steps=300):
   """Mean loss of the last 20 steps of a small tanh MLP regression (float32 compute)."""
-  def init(key, sizes):
-    layers = []
-    for fan_in, fan_out in itertools.pairwise(sizes):
-      key, sub = jax.random.split(key)
-      weight = jax.random.normal(sub, (fan_in, fan_out)) / np.sqrt(fan_in)
-      layers.append({"w": weight.astype(dtype), "b": jnp.zeros((1, fan_out), dtype)})
-    return layers
-
-  def forward(layers, x):
-    for i, layer in enumerate(layers):
-      x = x @ layer["w"].astype(jnp.float32) + layer["b"].astype(jnp.float32)
-      x = jnp.tanh(x) if i < len(layers) - 1 else x
-    return x
-
-  x = jax.random.normal(jax.random.key(1), (128, 8))
-  teacher = jax.tree.map(lambda a: a.astype(jnp.float32), init(jax.random.key(2), [8, 32, 1]))
-  y = forward(teacher, x)
-  params = init(jax.random.key(0), [8, 64, 1])
+  params, loss = tanh_mlp_regression(dtype, seed=0)
   tx = optax.adam(learning_rate)
   if mode is not None:
     tx = with_param_rounding(tx, mode)
-
-  def loss(p):
-    return jnp.mean((forward(p, x) - y) ** 2)
-
-  def step(carry, _):
-    p, s = carry
-    value, g = jax.value_and_grad(loss)(p)
-    u, s = tx.update(g, s, p)
-    return (optax.apply_updates(p, u), s), value
-
   with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes int and float counts
-    run = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), None, length=steps)[1])
-    return float(jnp.mean(run(params, tx.init(params))[-20:]))
+    return mean_of_last_losses(tx, params, loss, steps)
 
 
 def test_bfloat16_training_matches_float32_params():
