@@ -18,10 +18,9 @@ import numpy as np
 import optax
 
 from optax_safefactor._src.plan import FactorRulesFn
+from optax_safefactor._src.rounding import ROUNDING_MODES
 
 DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
-
-ROUNDING_MODES = ("nearest", "stochastic", "kahan")
 
 
 class Hyperparams(NamedTuple):

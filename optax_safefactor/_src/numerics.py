@@ -115,8 +115,3 @@ def all_finite(x: jax.Array) -> jax.Array:
   # A reduction of per-element bools: a max would do in IEEE arithmetic, but XLA's
   # CPU backend computes min/max without propagating NaN.
   return jnp.all(jnp.isfinite(x))
-
-
-def is_concrete(x: Any) -> bool:
-  """Whether ``x`` has a value now (not a tracer), so it can be validated eagerly."""
-  return not isinstance(x, jax.core.Tracer)
