@@ -128,19 +128,26 @@ def markdown(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="python -m optax_safefactor.bench_accumulate",
       description="accumulate_gradients with lax.cond against compute-and-select, and "
                   "optax.MultiSteps, around safefactor: time per micro-batch, temporary "
                   "bytes and compile time, with ratios to optax.MultiSteps.")
-  parser.add_argument("--tree", choices=sorted(bench.TREES), default="600-leaves")
+  parser.add_argument("--tree", choices=sorted(bench.TREES), default="600-leaves",
+                      help="the parameter tree, one of the benchmark's (600-leaves)")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="widths multiplied by this, in (0, 4] (1.0)")
   parser.add_argument("--every-k", type=int, default=4, help="micro-batches per step (4)")
   parser.add_argument("--repetitions", type=int, default=5, metavar="N",
                       help="timed groups per candidate after one warm-up group (5)")
-  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="dtype of the params and gradients (float32)")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = build_parser()
   args = parser.parse_args(argv)
   if not 0 < args.scale <= 4 or args.every_k < 2 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4], --every-k at least 2, --repetitions at least 1")

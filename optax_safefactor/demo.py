@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
            "with safefactor's param_rounding nearest, stochastic and kahan, against float32 "
            "params and optax.adafactor; 0 skips them. The default keeps the whole run near "
            "two minutes on 2 CPU cores and already shows round-to-nearest stalling (its "
-           "loss about 18% above float32 params'); 400 widens the gap and takes about "
+           "loss about 18%% above float32 params); 400 widens the gap and takes about "
            f"twice as long ({ROUNDING_STEPS})")
   parser.add_argument(
       "--accumulate", type=int, default=1, metavar="K",

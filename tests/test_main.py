@@ -1,6 +1,7 @@
 """The main job: ``python -m optax_safefactor`` runs, prints its table, writes its plot."""
 
 import argparse
+import importlib
 import os
 import pathlib
 import subprocess
@@ -151,3 +152,18 @@ def test_write_back_panel_follows_the_dtype_panels():
     assert labels == ["safefactor, float32 nearest", "safefactor, bfloat16 stochastic"]
   finally:
     plt.close(figure)
+
+
+@pytest.mark.parametrize("module", ["demo", "bench", "bench_rounding", "bench_accumulate"])
+def test_help_prints_every_option_as_written(module):
+  # argparse treats a help string as a %-format: a bare "18% above" once printed the option's
+  # whole attribute dict in the middle of --help.
+  parser = importlib.import_module(f"optax_safefactor.{module}").build_parser()
+  # Compared without whitespace: argparse rewraps the text, and may break at a hyphen.
+  rendered = "".join(parser.format_help().split())
+  for action in parser._actions:
+    assert action.help, f"{action.option_strings} has no help"
+    # The %-expansion argparse applies must leave the text as written ("%%" prints "%").
+    written = action.help.replace("%%", "%")
+    assert action.help % dict(vars(action), prog=parser.prog) == written, action.option_strings
+    assert "".join(written.split()) in rendered, action.option_strings
