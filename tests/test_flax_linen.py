@@ -1,8 +1,10 @@
 """Flax Linen: TrainState, and the logical-partitioning flow from eval_shape to jit(init)."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax.training import train_state
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -47,6 +49,29 @@ def _train(state, steps):
   return state, losses
 
 
+def _plain_params(tx, steps):
+  """The params after ``steps`` of the optax loop (update, apply_updates) on plain arrays.
+
+  The same model and data as ``_train``, without TrainState, a mesh or logical metadata:
+  what TrainState must reproduce (the loop's numerics are checked against the float64
+  reference in test_moments.py and test_alias.py).
+  """
+  params = nn.meta.unbox(MODEL.init(jax.random.PRNGKey(0), jnp.ones((1, 256)))["params"])
+  inputs, targets = _inputs()
+
+  @jax.jit
+  def step(params, opt_state):
+    grads = jax.grad(lambda p: jnp.mean((MODEL.apply({"params": p}, inputs) - targets) ** 2))(
+        params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  for _ in range(steps):
+    params, opt_state = step(params, opt_state)
+  return params
+
+
 def _create(rng, tx):
   variables = MODEL.init(rng, jnp.ones((1, 256)))
   return train_state.TrainState.create(apply_fn=MODEL.apply, params=variables["params"], tx=tx)
@@ -57,6 +82,7 @@ def test_train_state_trains():
   state, losses = _train(nn.meta.unbox(_create(jax.random.PRNGKey(0), tx)), 8)
   assert losses[-1] < 0.7 * losses[0]
   assert int(osf.skipped_steps(state.opt_state)) == 0
+  chex.assert_trees_all_close(state.params, _plain_params(tx, 8), rtol=1e-6, atol=1e-8)
 
 
 def test_logical_partitioning_flow_names_the_reduced_axes_none():
@@ -85,5 +111,7 @@ def test_logical_partitioning_flow_names_the_reduced_axes_none():
     with nn.logical_axis_rules(RULES):
       state, losses = _train(state, 6)
   assert losses[-1] < 0.8 * losses[0]
+  # Sharded sums add in another order: equal to float32 rounding, not bit for bit.
+  chex.assert_trees_all_close(state.params, _plain_params(tx, 6), rtol=1e-5, atol=1e-7)
   new_row = state.opt_state.inner_state.second_moment["Dense_0"]["kernel"].v_row
   assert new_row.sharding.is_equivalent_to(v_row.sharding, 2)

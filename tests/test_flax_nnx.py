@@ -1,5 +1,6 @@
 """Flax NNX: nnx.Optimizer with safefactor, including partitioned params on a mesh."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -37,10 +38,49 @@ def _train_step(model, optimizer, inputs, targets):
   return loss
 
 
-def _train(model, optimizer, steps=8):
-  inputs = jax.random.normal(jax.random.PRNGKey(1), (16, 256))
-  targets = jax.random.normal(jax.random.PRNGKey(2), (16, 128))
+STEPS = 8
+
+
+def _data():
+  return (jax.random.normal(jax.random.PRNGKey(1), (16, 256)),
+          jax.random.normal(jax.random.PRNGKey(2), (16, 128)))
+
+
+def _train(model, optimizer, steps=STEPS):
+  inputs, targets = _data()
   return [float(_train_step(model, optimizer, inputs, targets)) for _ in range(steps)]
+
+
+def _plain_params(tx, steps=STEPS):
+  """The params after ``steps`` of the optax loop (update, apply_updates) on a pure dict.
+
+  The same model and data as ``_train``, without nnx.Optimizer, a mesh or partitioning
+  metadata: what nnx.Optimizer must reproduce (the loop's numerics are checked against
+  the float64 reference in test_moments.py and test_alias.py).
+  """
+  graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+  params = nnx.to_pure_dict(params)
+  inputs, targets = _data()
+
+  @jax.jit
+  def step(params, opt_state):
+    def loss_fn(params):
+      model = nnx.merge(graphdef, params)
+      return jnp.mean((model(inputs) - targets) ** 2)
+
+    grads = jax.grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  for _ in range(steps):
+    params, opt_state = step(params, opt_state)
+  return params
+
+
+def _assert_matches_plain_loop(model, tx, rtol):
+  trained = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  chex.assert_trees_all_close(trained, _plain_params(tx), rtol=rtol, atol=rtol * 1e-2)
 
 
 def test_nnx_optimizer_trains():
@@ -49,6 +89,7 @@ def test_nnx_optimizer_trains():
   losses = _train(model, optimizer)
   assert losses[-1] < 0.7 * losses[0]
   assert int(osf.skipped_steps(optimizer.opt_state)) == 0
+  _assert_matches_plain_loop(model, osf.safefactor(1e-2, momentum=0.9), rtol=1e-6)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
@@ -73,3 +114,5 @@ def test_nnx_optimizer_over_partitioned_params(axis_type):
     assert names(optimizer.opt_state.inner_state.momentum["up"]["kernel"]) == ("data", "model")
     losses = _train(model, optimizer)
   assert losses[-1] < 0.7 * losses[0]
+  # Sharded sums add in another order: equal to float32 rounding, not bit for bit.
+  _assert_matches_plain_loop(model, osf.safefactor(1e-2, momentum=0.9), rtol=1e-5)
