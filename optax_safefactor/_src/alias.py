@@ -202,4 +202,4 @@ def scale_by_safe_factored_rms(
       decay_rate_fn=decay_rate_fn, state_dtype=state_dtype, beta2_cap=beta2_cap,
       factor_rules=factor_rules, skip_nonfinite_steps=skip_nonfinite_steps,
       multiply_by_parameter_scale=False, clipping_threshold=None, negate_updates=False,
-  )))
+  ), names={"eps": "epsilon", "decay_offset": "step_offset"}))

@@ -75,10 +75,15 @@ _NUMBER_RULES: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
     ("min_parameter_scale", "non-negative", lambda x: x >= 0),
     ("max_parameter_scale", "positive (or None)", lambda x: x > 0),
     ("weight_decay_rate", "finite (or None)", math.isfinite),
+    ("decay_offset", "a whole number", lambda x: math.isfinite(x) and x == int(x)),
 )
 
 
-def _as_number(name: str, value: Any) -> float | None:
+# Counts and steps: a string here is converted with int(), not float().
+_WHOLE_NUMBERS = frozenset({"decay_offset", "min_dim_size_to_factor"})
+
+
+def _as_number(name: str, value: Any, convert: str = "float") -> float | None:
   """The value as a float, or ``None`` when it cannot be judged now (schedule, tracer)."""
   if value is None or callable(value) or isinstance(value, jax.core.Tracer):
     return None
@@ -87,7 +92,7 @@ def _as_number(name: str, value: Any) -> float | None:
     # rather than failing deep inside the step.
     raise TypeError(
         f"{name} must be a number, an array or a schedule, got the string {value!r}; "
-        f"convert it first, e.g. {name}=float({value!r})"
+        f"convert it first, e.g. {name}={convert}({value!r})"
     )
   try:
     return float(np.asarray(value))
@@ -95,22 +100,83 @@ def _as_number(name: str, value: Any) -> float | None:
     raise TypeError(f"{name} must be a number, an array or a schedule, got {value!r}") from None
 
 
-def validate(hyperparams: Hyperparams) -> Hyperparams:
+def _check_float_dtype(name: str, value: Any) -> None:
+  """``value`` names a real floating dtype (or is ``None``), else a TypeError naming ``name``."""
+  if value is None:
+    return
+  if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
+    # optax.inject_hyperparams hands a dtype class over as a scalar of that dtype.
+    dtype = value.dtype
+  else:
+    try:
+      dtype = jnp.dtype(value)
+    except TypeError:
+      dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{name} must be a floating dtype such as 'float32', 'bfloat16' or jnp.float16 "
+        f"(or None), got {value!r}"
+    )
+
+
+def _check_callable(name: str, value: Any) -> None:
+  if value is None or callable(value):
+    return
+  message = f"{name} must be a function (or None), got a {type(value).__name__}"
+  if name == "factor_rules":
+    message += ("; for logical axis names per parameter, pass "
+                "factor_rules=osf.logical_factor_rules(axis_names)")
+  raise TypeError(message)
+
+
+# A 64-bit word, signed or not: the most the rounding hash keys from.
+_SEED_RANGE = (-(2**63), 2**64)
+
+
+def check_seed(name: str, seed: Any) -> None:
+  """``seed`` is an int (or an integer array) that fits 64 bits, else an error naming ``name``.
+
+  >>> check_seed("rounding_seed", "0")
+  Traceback (most recent call last):
+  ...
+  TypeError: rounding_seed must be an int (or an integer array), got '0'
+  """
+  if isinstance(seed, (jax.Array, np.ndarray, jax.core.Tracer)):
+    # optax.inject_hyperparams hands an int over as an int32 array.
+    if jnp.issubdtype(seed.dtype, jnp.integer) and seed.ndim == 0:
+      return
+  elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+    if _SEED_RANGE[0] <= int(seed) < _SEED_RANGE[1]:
+      return
+    raise ValueError(f"{name} must fit in 64 bits, got {seed!r}")
+  raise TypeError(f"{name} must be an int (or an integer array), got {seed!r}")
+
+
+def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> Hyperparams:
   """Check every concrete number against its rule; returns ``hyperparams`` unchanged.
 
   Under ``optax.inject_hyperparams`` numbers arrive as arrays, concrete in ``init``
-  and traced in ``update``; only concrete ones can be judged.
+  and traced in ``update``; only concrete ones can be judged. ``names`` maps a field
+  to the argument the caller knows it by (``scale_by_safe_factored_rms``'s
+  ``epsilon``), so that an error names what the user wrote.
 
   >>> validate(Hyperparams(decay_rate=-1.0))
   Traceback (most recent call last):
   ...
   ValueError: decay_rate must be positive, got -1.0
   """
-  for name, requirement, is_valid in _NUMBER_RULES:
-    value = getattr(hyperparams, name)
-    number = _as_number(name, value)
+  names = names or {}
+  for field, requirement, is_valid in _NUMBER_RULES:
+    name = names.get(field, field)
+    value = getattr(hyperparams, field)
+    number = _as_number(name, value, "int" if field in _WHOLE_NUMBERS else "float")
     if number is not None and not is_valid(number):
       raise ValueError(f"{name} must be {requirement}, got {value!r}")
+  for name in ("factor_rules", "decay_rate_fn"):
+    _check_callable(name, getattr(hyperparams, name))
+  _check_float_dtype("dtype_momentum", hyperparams.dtype_momentum)
+  _check_float_dtype("state_dtype", hyperparams.state_dtype)
+  check_seed("rounding_seed", hyperparams.rounding_seed)
   if hyperparams.param_rounding not in ROUNDING_MODES:
     raise ValueError(
         f"param_rounding must be one of {', '.join(map(repr, ROUNDING_MODES))}, "

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from optax_safefactor._src import compat
+from optax_safefactor._src import compat, trees
 
 # nnx Variables keep their mesh-axis names under one of these metadata keys,
 # depending on the flax version.
@@ -205,6 +205,10 @@ def state_partition_specs(
       return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
     param_specs = jax.tree.map(spec_of, params)
+  trees.check_prefix_of(param_specs, params, "param_specs")
+  if jax.tree.structure(param_specs) != jax.tree.structure(params):
+    raise ValueError("param_specs must hold one PartitionSpec per param, shaped like params; "
+                     f"got {jax.tree.structure(param_specs)}")
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
   abstract_state = jax.eval_shape(optimizer.init, shapes)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -110,6 +110,13 @@ def plan_from_roles(
     ValueError: naming ``where``, for a rule of the wrong rank, an unknown role, or
       rows without columns.
   """
+  if isinstance(roles, str) or not isinstance(roles, Iterable):
+    # A bare string would otherwise be read as one role per character.
+    raise TypeError(
+        f"{where}: factor rule gives {roles!r}; return one role per axis of the rank-"
+        f"{len(shape)} param (\"row\", \"column\", \"batch\" or None each, as in "
+        f"{(None,) * len(shape)}), or None for the heuristic"
+    )
   roles = tuple(roles)
   if len(roles) != len(shape):
     raise ValueError(

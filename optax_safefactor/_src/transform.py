@@ -23,6 +23,7 @@ from optax_safefactor._src import (
     numerics,
     placement,
     rounding,
+    trees,
     xla_hints,
 )
 from optax_safefactor._src.hyperparams import Hyperparams, momentum_dtype, value_at
@@ -54,6 +55,7 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   if weight_decay_mask is None:
     return jax.tree.map(lambda _: True, params)
   mask = weight_decay_mask(params) if callable(weight_decay_mask) else weight_decay_mask
+  trees.check_prefix_of(mask, params, "weight_decay_mask")
   return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
 
 
@@ -112,6 +114,10 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
         return placement.state_like(param, value.shape, 0, value.dtype)
 
       compensation = jax.tree.map(zeros_if_narrow, params, is_leaf=placement.is_box)
+    if hp.weight_decay_rate is not None:
+      # A mask that does not fit the params fails here, not at the first step.
+      _decay_masks(hp.weight_decay_mask,
+                   jax.tree.map(placement.unbox, params, is_leaf=placement.is_box))
     state = AdafactorState(jnp.zeros([], jnp.int32), second_moment, first_moment, compensation)
     return guard.init_guarded(state, params) if guarded else state
 

@@ -47,3 +47,41 @@ def find_all(tree: Any, kind: type) -> list[Any]:
     return isinstance(x, kind)
 
   return [x for x in jax.tree.leaves(tree, is_leaf=is_kind) if is_kind(x)]
+
+
+def _key_names(path: Any) -> tuple[str, ...]:
+  return tuple(jax.tree_util.keystr((key,)) for key in path)
+
+
+def check_prefix_of(prefix: Any, full: Any, prefix_name: str, full_name: str = "params") -> None:
+  """Raise ``ValueError`` naming the leaves where ``prefix`` is not a prefix tree of ``full``.
+
+  >>> check_prefix_of({"w": True}, {"w": 1.0, "b": 2.0}, "mask")
+  Traceback (most recent call last):
+  ...
+  ValueError: mask does not match params (it may stop above params' leaves): nothing for params['b']
+  """
+  try:
+    jax.tree.map(lambda *_: None, prefix, full)
+    return
+  except ValueError:
+    pass
+  prefix_paths = [_key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(prefix)[0]]
+  full_paths = [_key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
+
+  def covers(short, long):
+    return long[:len(short)] == short
+
+  missing = [f for f in full_paths if not any(covers(p, f) for p in prefix_paths)]
+  extra = [p for p in prefix_paths if not any(covers(p, f) for f in full_paths)]
+  details = []
+  if missing:
+    details.append("nothing for " + ", ".join(full_name + "".join(f) for f in missing))
+  if extra:
+    details.append(", ".join(prefix_name + "".join(p) for p in extra) + f" not in {full_name}")
+  # Same leaves, other node types (a list for a tuple, say): show both structures.
+  details = details or [f"{jax.tree.structure(prefix)} against {jax.tree.structure(full)}"]
+  raise ValueError(
+      f"{prefix_name} does not match {full_name} (it may stop above {full_name}' leaves): "
+      + "; ".join(details)
+  )

@@ -1,0 +1,90 @@
+"""Arguments a user gets wrong are refused when the optimizer is built, by their own name."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import optax_safefactor as osf
+
+PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)}}
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    # int32 momentum was accepted and truncated every update to 0.
+    ({"momentum": 0.9, "dtype_momentum": "int32"}, TypeError,
+     r"dtype_momentum must be a floating dtype .*got 'int32'"),
+    # Unknown names failed in init with numpy's "data type 'foo' not understood".
+    ({"dtype_momentum": "foo"}, TypeError, r"dtype_momentum must be a floating dtype"),
+    ({"state_dtype": "bf16"}, TypeError, r"state_dtype must be a floating dtype .*got 'bf16'"),
+    ({"decay_offset": "5"}, TypeError, r"decay_offset .* string '5'.*decay_offset=int\('5'\)"),
+    ({"decay_offset": 1.5}, ValueError, r"decay_offset must be a whole number, got 1.5"),
+    # A string seed failed at the first bfloat16 step inside JAX's dtype code.
+    ({"param_rounding": "stochastic", "rounding_seed": "0"}, TypeError,
+     r"rounding_seed must be an int \(or an integer array\), got '0'"),
+    ({"rounding_seed": 0.5}, TypeError, r"rounding_seed must be an int"),
+    ({"rounding_seed": 2**64}, ValueError, r"rounding_seed must fit in 64 bits"),
+    ({"factor_rules": {"kernel": ("row", "column")}}, TypeError,
+     r"factor_rules must be a function \(or None\), got a dict.*logical_factor_rules"),
+])
+def test_safefactor_names_the_bad_argument(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    osf.safefactor(1e-3, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    # The building block's own argument names, not safefactor's (it said "eps").
+    ({"epsilon": "1e-30"}, TypeError, r"^epsilon must be a number.*epsilon=float\('1e-30'\)"),
+    ({"epsilon": -1.0}, ValueError, r"^epsilon must be non-negative"),
+    ({"step_offset": "3"}, TypeError, r"^step_offset .*step_offset=int\('3'\)"),
+    ({"decay_rate_fn": 0.8}, TypeError, r"^decay_rate_fn must be a function"),
+])
+def test_scale_by_safe_factored_rms_names_its_own_arguments(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    osf.scale_by_safe_factored_rms(**kwargs)
+
+
+def test_a_factor_rule_returning_a_string_is_refused_with_the_path():
+  # "batch" used to be read as five roles, one per character.
+  tx = osf.safefactor(1e-3, factor_rules=lambda path, shape: "batch")
+  with pytest.raises(TypeError, match=r"params\['dense'\]\['bias'\]: factor rule gives 'batch'"):
+    tx.init(PARAMS)
+
+
+def test_a_weight_decay_mask_that_misses_a_param_fails_in_init_with_its_path():
+  tx = osf.safefactor(1e-3, weight_decay_rate=0.1, weight_decay_mask={"dense": {"kernel": True}})
+  with pytest.raises(ValueError, match=r"weight_decay_mask does not match params .*"
+                                       r"nothing for params\['dense'\]\['bias'\]"):
+    tx.init(PARAMS)
+
+
+def test_a_weight_decay_mask_may_still_be_a_prefix_or_a_function():
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  for mask in ({"dense": False}, lambda params: jax.tree.map(lambda _: False, params)):
+    tx = osf.safefactor(1e-3, weight_decay_rate=0.5, weight_decay_mask=mask)
+    masked, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+    plain = osf.safefactor(1e-3)
+    expected, _ = plain.update(grads, plain.init(PARAMS), PARAMS)
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, masked, expected))
+
+
+def test_state_partition_specs_names_a_param_without_a_spec():
+  with pytest.raises(ValueError, match=r"param_specs does not match params .*"
+                                       r"nothing for params\['dense'\]\['bias'\]"):
+    osf.state_partition_specs(osf.safefactor(), PARAMS, {"dense": {"kernel": P()}})
+  with pytest.raises(ValueError, match=r"param_specs must hold one PartitionSpec per param"):
+    osf.state_partition_specs(osf.safefactor(), PARAMS, P())
+
+
+def test_inject_hyperparams_still_passes_dtypes_and_seeds_as_arrays():
+  # inject_hyperparams hands a dtype class over as a scalar of that dtype, and an int as
+  # an int32 array: both must pass the checks above.
+  tx = optax.inject_hyperparams(osf.safefactor)(
+      learning_rate=1e-3, momentum=0.9, dtype_momentum=jnp.bfloat16,
+      param_rounding="stochastic", rounding_seed=7)
+  params = {"w": jnp.ones((4, 3), jnp.bfloat16)}
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(params, state, params)
+  assert updates["w"].dtype == jnp.bfloat16
+  assert state.inner_state.inner_state.momentum["w"].dtype == jnp.bfloat16
