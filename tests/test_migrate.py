@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from tests.helpers import max_relative_error, random_tree, run_steps
+from tests.helpers import max_relative_error, random_tree, run_steps, tree_all_finite
 
 SHAPES = {"tall": (300, 140), "wide": (140, 300), "stacked": (3, 130, 150), "bias": (150,)}
 
@@ -49,3 +49,55 @@ def test_mismatched_factoring_is_refused(rng):
   with pytest.raises(ValueError, match="momentum"):
     osf.migrate_from_optax(optax.adafactor(0.1).init(params), osf.safefactor(0.1, momentum=0.9),
                            params)
+
+
+def _shapes_and_dtypes(state):
+  return jax.tree.structure(state), [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+@pytest.mark.parametrize("param_rounding", ["nearest", "stochastic", "kahan"])
+def test_migrated_state_has_the_structure_of_init(param_rounding, momentum):
+  # A bfloat16 param gets a Kahan compensation buffer, which optax has no counterpart for.
+  params = {"w": jnp.ones((256, 128), jnp.bfloat16), "b": jnp.ones((128,), jnp.float32)}
+  tx = osf.safefactor(1e-3, param_rounding=param_rounding, momentum=momentum)
+  optax_state = optax.adafactor(1e-3, momentum=momentum).init(params)
+  state = osf.migrate_from_optax(optax_state, tx, params)
+  assert _shapes_and_dtypes(state) == _shapes_and_dtypes(tx.init(params))
+  if param_rounding == "kahan":
+    assert not jnp.any(state.inner_state.compensation["w"])
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  assert tree_all_finite(updates) and tree_all_finite(state)
+  assert int(osf.skipped_steps(state)) == 0
+
+
+@pytest.mark.parametrize("optimizer", [optax.adam(1e-3), optax.adafactor(1e-3)])
+def test_optimizer_without_safefactor_is_refused(optimizer):
+  params = {"w": jnp.ones((256, 128))}
+  with pytest.raises(ValueError, match=r"optimizer has no safefactor state to receive the "
+                                       r"optax.adafactor statistics"):
+    osf.migrate_from_optax(optax.adafactor(1e-3).init(params), optimizer, params)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("missing", r"params\['b'\] is in optax_state's second-moment statistics but not in params"),
+    ("extra", r"params\['a'\] is in params but not in optax_state"),
+], ids=["missing", "extra"])
+def test_params_not_matching_the_optax_state_are_named(change, message):
+  params = {"w": jnp.ones((256, 128)), "b": jnp.ones((128,))}
+  optax_state = optax.adafactor(1e-3).init(params)
+  wrong = {"w": params["w"]} if change == "missing" else {**params, "a": jnp.ones((4,))}
+  with pytest.raises(ValueError, match=r"^params do not match .*" + message + r".*pass the params"):
+    osf.migrate_from_optax(optax_state, osf.safefactor(1e-3), wrong)
+
+
+def test_params_not_matching_the_optax_momentum_are_named():
+  params = {"w": jnp.ones((256, 128)), "b": jnp.ones((128,))}
+  optax_state = optax.adafactor(1e-3, momentum=0.9).init(params)
+  ema = optax.tree_utils.tree_get(optax_state, "ema")
+  # A state spliced together from two jobs: the momentum lost a leaf.
+  optax_state = optax.tree_utils.tree_set(optax_state, ema={"w": ema["w"]})
+  with pytest.raises(ValueError, match=r"params\['b'\] is in params but not in optax_state's "
+                                       r"momentum"):
+    osf.migrate_from_optax(optax_state, osf.safefactor(1e-3, momentum=0.9), params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -25,6 +26,33 @@ def _placed_like(value: Any, target: jax.Array) -> jax.Array:
   if isinstance(target, jax.core.Tracer):
     return value
   return jax.device_put(value, target.sharding)
+
+
+def _check_params_match(params: Any, optax_stats: Any, what: str) -> None:
+  """``params`` must have the tree ``optax_stats`` (per-param optax statistics) was made for.
+
+  Without this a mismatch surfaces as jax's raw "pytree structure error" from deep
+  inside the conversion, naming neither the argument nor the param.
+  """
+  params_def, stats_def = jax.tree.structure(params), jax.tree.structure(optax_stats)
+  if params_def == stats_def:
+    return
+  param_paths = [checks.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  stat_paths = [checks.path_name(p)
+                for p, _ in jax.tree_util.tree_flatten_with_path(optax_stats)[0]]
+  detail = f"params tree {params_def} != optax_state's {what} tree {stats_def}"
+  for param_path, stat_path in itertools.zip_longest(param_paths, stat_paths):
+    if param_path == stat_path:
+      continue
+    if stat_path is not None and stat_path not in param_paths:
+      detail = f"first difference: {stat_path} is in optax_state's {what} but not in params"
+    elif param_path is not None:
+      detail = f"first difference: {param_path} is in params but not in optax_state's {what}"
+    break
+  raise ValueError(
+      f"params do not match the params optax_state was made for ({detail}); pass the "
+      "params the optax job was training when its state was saved (same leaves, same tree)"
+  )
 
 
 def _convert_moment(path, target, optax_row, optax_col, optax_full, param):
@@ -55,7 +83,8 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
   training continues where it was: on healthy float32 inputs, N optax steps then M
   safefactor steps equal N + M optax steps. Statistics are cast to safefactor's state
   dtype and placed like ``optimizer.init(params)`` places them; skip counters start
-  at 0.
+  at 0, and state optax has no counterpart for (the Kahan compensation of
+  ``param_rounding="kahan"``) starts as ``optimizer.init(params)`` makes it: zeros.
 
   Example:
     >>> import jax.numpy as jnp
@@ -82,7 +111,9 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
 
   Raises:
     ValueError: naming the param, when the two optimizers factor it differently, or
-      when momentum is on in one and off in the other.
+      when momentum is on in one and off in the other; naming the first differing
+      path, when ``params`` does not have the tree of ``optax_state``'s statistics;
+      when ``optimizer`` holds no safefactor state to receive the statistics.
   """
   factored_state = _find(optax_state, optax.FactoredState)
   if factored_state is None:
@@ -92,8 +123,20 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
         "a target, e.g. target = jax.eval_shape(optax.adafactor(lr).init, params) "
         "(the optimizer the checkpoint was written with), then migrate the result"
     )
+  _check_params_match(params, factored_state.v_row, "second-moment statistics")
   ema_state = _find(optax_state, optax.EmaState)
+  if ema_state is not None:
+    _check_params_match(params, ema_state.ema, "momentum")
   target = optimizer.init(params)
+  if not find_all(target, AdafactorState):
+    # Returning ``target`` would silently throw the optax statistics away.
+    raise ValueError(
+        "optimizer has no safefactor state to receive the optax.adafactor statistics: "
+        "optimizer.init(params) holds no AdafactorState. Pass the transformation to "
+        "continue with, osf.safefactor(...) or osf.scale_by_safe_factored_rms(...) (or a "
+        "chain holding one), built with the same factored, min_dim_size_to_factor and "
+        "momentum setting"
+    )
 
   def convert_moments(second_moment):
     return jax.tree_util.tree_map_with_path(
@@ -116,7 +159,10 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
       if node.momentum is None:
         raise ValueError("momentum must be on in both optimizers or off in both")
       momentum = jax.tree.map(_placed_like, ema_state.ema, node.momentum)
-    return AdafactorState(count, convert_moments(node.second_moment), momentum)
+    # Fields optax has no counterpart for (the Kahan compensation) keep their fresh
+    # values from init, so the state has exactly init's structure.
+    return node._replace(count=count, second_moment=convert_moments(node.second_moment),
+                         momentum=momentum)
 
   return jax.tree.map(convert, target, is_leaf=is_adafactor_state)
 
