@@ -106,6 +106,17 @@ def safefactor(
       ``"column"``, ``"batch"`` (a separate slice: stacked layers, experts),
       ``"none"``, or ``None`` to leave it to the heuristic; the callable may return
       ``None`` for the heuristic on the whole leaf. See :func:`logical_factor_rules`.
+    param_rounding: how the update lands on params narrower than float32 (bfloat16,
+      float16): ``"nearest"`` rounds the update to the param dtype (optax's behaviour:
+      updates below half an ulp of the param are lost); ``"stochastic"`` lands the
+      param on ``param + update`` rounded stochastically (unbiased, no extra state),
+      and also stores a narrow momentum (``dtype_momentum="bfloat16"``) that way;
+      ``"kahan"`` rounds to nearest and keeps the rounding error in a compensation
+      buffer of the param's dtype, added to the next update. The two rounding modes
+      need a ``learning_rate``: the rounded update must be the final one.
+    rounding_seed: an int keying ``"stochastic"``'s random bits, together with the
+      step, the param's path and each element's index (so the bits are the same on
+      any sharding or number of hosts).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.

@@ -114,7 +114,7 @@ def plan_from_roles(
     # A bare string would otherwise be read as one role per character.
     raise TypeError(
         f"{where}: factor rule gives {roles!r}; return one role per axis of the rank-"
-        f"{len(shape)} param (\"row\", \"column\", \"batch\" or None each, as in "
+        f"{len(shape)} param (each one of {', '.join(map(repr, ROLES))} or None, as in "
         f"{(None,) * len(shape)}), or None for the heuristic"
     )
   roles = tuple(roles)
