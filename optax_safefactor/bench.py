@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor.demo import HelpFormatter, unwritable_folder, wrap
+from optax_safefactor.demo import HelpFormatter, plural, unwritable_folder, wrap
 
 # optax's default, and safefactor's: smaller axes keep a full-size second moment.
 MIN_DIM_SIZE_TO_FACTOR = 128
@@ -366,7 +366,7 @@ def legend(rows: Sequence[dict]) -> str:
                  "step that full-size models take.")
   over = [r for r in rows if r["bandwidth_fraction"] > 1]
   if over:
-    notes.append(f"{len(over)} row(s) above 100% bandwidth: the step beat the counted "
+    notes.append(f"{plural(len(over), 'row')} above 100% bandwidth: the step beat the counted "
                  "traffic (cache reuse, or the copy's fixed cost on a small tree), see "
                  "bandwidth above.")
   lines.extend(textwrap.fill(note, width=96, initial_indent="Note: ", subsequent_indent="  ")
@@ -422,20 +422,31 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def json_problem(path: pathlib.Path) -> str | None:
+  """Why ``--json path`` cannot be written, or None if it can; the benchmarks' one check.
+
+  Run before measuring, so that a bad path is not found out when the results are ready:
+  the path's folder is created and probed (:func:`unwritable_folder`), and the path must
+  not be a folder itself.
+  """
+  problem = unwritable_folder(path.parent)
+  if problem is None and path.is_dir():
+    problem = "it is a folder"
+  return problem
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   if not 0 < args.scale <= 4 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4] and --repetitions at least 1")
   if args.json is not None:
-    problem = unwritable_folder(args.json.parent)
-    if problem is None and args.json.is_dir():
-      problem = "it is a folder"
+    problem = json_problem(args.json)
     if problem is not None:
       print(f"{parser.prog}: error: cannot write --json {args.json}: {problem}",
             file=sys.stderr)
       return 2
-  print(f"backend: {jax.default_backend()}, {len(jax.devices())} device(s): "
+  print(f"backend: {jax.default_backend()}, {plural(len(jax.devices()), 'device')}: "
         f"{jax.devices()[0].device_kind}", file=sys.stderr)
   # A full run takes long and can run out of memory on its largest tree: each tree's rows
   # are printed (and the JSON rewritten) as soon as they are measured, so they survive.
@@ -456,3 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.json is not None:
     print(f"json: {args.json}")
   return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -31,6 +31,7 @@ import optax
 import optax_safefactor as osf
 from optax_safefactor import bench
 from optax_safefactor._src.accumulate import _accumulate
+from optax_safefactor.demo import plural
 
 
 def candidates(every_k: int) -> dict[str, optax.GradientTransformation]:
@@ -138,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the parameter tree, one of the benchmark's (600-leaves)")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="widths multiplied by this, in (0, 4] (1.0)")
-  parser.add_argument("--every-k", type=int, default=4, help="micro-batches per step (4)")
+  parser.add_argument("--every-k", type=int, default=4, metavar="K",
+                      help="micro-batches per step, at least 2 (4)")
   parser.add_argument("--repetitions", type=int, default=5, metavar="N",
                       help="timed groups per candidate after one warm-up group (5)")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -152,12 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not 0 < args.scale <= 4 or args.every_k < 2 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4], --every-k at least 2, --repetitions at least 1")
   print(f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
-        f"{len(jax.devices())} device(s): {jax.devices()[0].device_kind}", file=sys.stderr)
+        f"{plural(len(jax.devices()), 'device')}: {jax.devices()[0].device_kind}",
+        file=sys.stderr)
   rows = measure(args.tree, args.scale, args.every_k, args.repetitions, args.dtype)
   first = rows[0]
   print(f"{first['tree']} ({first['params'] / 1e6:.3g}M params, {first['leaves']} leaves), "
-        f"{first['dtype']}, every_k={first['every_k']}, median of {args.repetitions} groups; "
-        "ratios to optax.MultiSteps in brackets")
+        f"{first['dtype']}, every_k={first['every_k']}, "
+        f"median of {plural(args.repetitions, 'group')}; ratios to optax.MultiSteps in brackets")
   print(markdown(rows))
   return 0
 

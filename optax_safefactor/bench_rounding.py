@@ -35,7 +35,7 @@ import optax
 
 import optax_safefactor as osf
 from optax_safefactor import bench
-from optax_safefactor.demo import unwritable_folder
+from optax_safefactor.demo import plural
 
 MODES = ("nearest", "stochastic", "kahan")
 TREES = ("gpt2-small", "scanned-24")
@@ -216,16 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
           for k, v in SMALL.items()) + " (seconds; for tests). The full run (the "
       "defaults) takes about 4 minutes on a 2-core CPU.")
   parser.add_argument("--trees", nargs="+", choices=sorted(bench.TREES), default=list(TREES),
-                      metavar="TREE", help=f"parameter trees, any of {sorted(bench.TREES)} "
-                      f"({' '.join(TREES)})")
+                      metavar="TREE", help="parameter trees, any of "
+                      f"{', '.join(sorted(bench.TREES))} ({' '.join(TREES)})")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="multiply the trees' widths and vocabularies by this, in (0, 4]; "
                            "below about 0.17 no leaf is factored (1.0)")
   parser.add_argument("--repetitions", type=int, default=5, metavar="N",
                       help="timed rounds after one warm-up round (5)")
   parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS),
-                      help="default: learning_rate=1e-3; momentum: also momentum=0.9 in "
-                           "bfloat16 (default momentum)")
+                      metavar="CONFIG", help="default: learning_rate=1e-3; momentum: also "
+                      "momentum=0.9 in bfloat16 (both)")
   parser.add_argument("--small", action="store_true",
                       help="a quick run for tests; overrides the options above")
   parser.add_argument("--json", type=pathlib.Path, default=None, metavar="FILE",
@@ -242,11 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not 0 < args.scale <= 4 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4] and --repetitions at least 1")
   if args.json is not None:
-    problem = unwritable_folder(args.json.parent)
+    problem = bench.json_problem(args.json)
     if problem is not None:
       parser.error(f"cannot write --json {args.json}: {problem}")
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} "
-        f"device(s): {jax.devices()[0].device_kind}", file=sys.stderr)
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{plural(len(jax.devices()), 'device')}: {jax.devices()[0].device_kind}",
+        file=sys.stderr)
   cost, memory = [], []
   for tree in args.trees:
     for config in args.configs:

@@ -90,12 +90,21 @@ class RunResult:
   comparison: str = "dtype"  # "dtype" (float16 and bfloat16) or "rounding"
 
   @property
+  def tail_window(self) -> int:
+    """How many of the last steps :attr:`tail_loss` averages: ``TAIL``, or all of a shorter run."""
+    return min(TAIL, len(self.losses))
+
+  @property
   def tail_loss(self) -> float:
-    """The mean loss of the last 20 steps: one step's loss is too noisy to compare."""
-    return float(np.mean(self.losses[-TAIL:]))
+    """The mean loss of the last ``tail_window`` steps: one step's loss is too noisy to compare."""
+    return float(np.mean(self.losses[-self.tail_window:]))
 
 
 TAIL = 20
+# jax.random.key keeps only the low 32 bits of a seed unless jax_enable_x64 is on, so larger
+# seeds would build the same model as a smaller one; negative ones numpy's generator refuses.
+MAX_SEED = 2**32 - 1
+
 # The write-back comparison: bfloat16 params at a learning rate where Adafactor's updates
 # (about lr times the param's RMS) fall below half a bfloat16 ulp, so round-to-nearest
 # drops most of them; float32 params are the reference.
@@ -107,6 +116,11 @@ ROUNDING_RUNS = (
     ("safefactor", "bfloat16", "kahan"),
     ("optax.adafactor", "bfloat16", "nearest"),
 )
+
+
+def plural(count: int, word: str) -> str:
+  """``1 step``, ``2 steps``: a count with its noun, singular only for exactly one."""
+  return f"{count} {word if count == 1 else word + 's'}"
 
 
 def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
@@ -175,13 +189,20 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress,
 
 
 def results_table(results: Sequence[RunResult]) -> str:
-  header = (f"| optimizer | params | write-back | lr | final loss | mean loss, last {TAIL} steps "
+  # The header names the window the rows average; a run shorter than it (when --steps and
+  # --rounding-steps differ) says its own in its cell.
+  window = max((r.tail_window for r in results), default=TAIL)
+  header = (f"| optimizer | params | write-back | lr | final loss "
+            f"| mean loss, last {plural(window, 'step')} "
             "| steps with non-finite params | steps skipped | optimizer state | ms / step |")
   rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
+    tail = f"{r.tail_loss:.3f}"
+    if r.tail_window != window:
+      tail += f" (all {plural(r.tail_window, 'step')})"
     rows.append(
         f"| {r.optimizer} | {r.dtype} | {r.rounding} | {r.learning_rate:g} | {r.losses[-1]:.3f} "
-        f"| {r.tail_loss:.3f} | {r.nonfinite_param_steps} / {len(r.losses)} "
+        f"| {tail} | {r.nonfinite_param_steps} / {len(r.losses)} "
         f"| {'n/a' if r.skipped_steps is None else r.skipped_steps} "
         f"| {r.state_bytes / 1024:.1f} KiB | {r.ms_per_step:.1f} |"
     )
@@ -189,15 +210,22 @@ def results_table(results: Sequence[RunResult]) -> str:
 
 
 def _panels(results: Sequence[RunResult]):
-  """(title, runs, smoothed) per panel: the dtype comparison's panels, then the write-back one."""
+  """(title, runs, window) per panel: the dtype comparison's panels, then the write-back one.
+
+  ``window`` is the running mean's length in steps; 1 plots every step as it is.
+  """
   dtype_runs = [r for r in results if r.comparison == "dtype"]
-  panels = [(f"params in {dtype}", [r for r in dtype_runs if r.dtype == dtype], False)
+  panels = [(f"params in {dtype}", [r for r in dtype_runs if r.dtype == dtype], 1)
             for dtype in dict.fromkeys(r.dtype for r in dtype_runs)]
   rounding = [r for r in results if r.comparison == "rounding"]
   if rounding:
-    # Smoothed: the gap between write-back modes is smaller than one step's noise.
-    panels.append((f"write-back at lr {rounding[0].learning_rate:g} "
-                   f"(mean of {TAIL} steps)", rounding, True))
+    # Smoothed: the gap between write-back modes is smaller than one step's noise. A
+    # window as long as the run would leave one point per curve; at most half the run
+    # keeps a curve of at least half its steps.
+    window = min(TAIL, min(len(r.losses) for r in rounding) // 2)
+    title = f"write-back at lr {rounding[0].learning_rate:g} "
+    title += f"(mean of {window} steps)" if window > 1 else "(each step: too few to average)"
+    panels.append((title, rounding, max(window, 1)))
   return panels
 
 
@@ -211,17 +239,25 @@ def loss_figure(results: Sequence[RunResult]):
 
   panels = _panels(results)
   figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-  for axis, (title, runs, smoothed) in zip(axes[0], panels, strict=True):
+  for axis, (title, runs, window) in zip(axes[0], panels, strict=True):
     for r in runs:
       losses = np.asarray(r.losses)
       style = "-" if r.optimizer == "safefactor" else "--"
       label = r.optimizer
-      if smoothed:
+      if r.comparison == "rounding":  # one optimizer, several dtypes and modes
         label = f"{r.optimizer}, {r.dtype} {r.rounding}"
-        window = min(TAIL, len(losses))
+      if window > 1:
         losses = np.convolve(losses, np.ones(window) / window, mode="valid")
       offset = len(r.losses) - len(losses)  # a running mean starts at its window's end
-      axis.plot(offset + np.arange(len(losses)), losses, style, label=label)
+      finite = np.isfinite(losses)
+      if not finite.any():
+        label += " (all non-finite)"  # in the legend, but nothing to draw
+      # A finite point between non-finite ones draws no line (optax's float16 run that
+      # turns NaN after its first step), and a short run has few points: mark them.
+      alone = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
+      marker = "o" if alone.any() or len(losses) <= TAIL else None
+      axis.plot(offset + np.arange(len(losses)), losses, style, marker=marker, markersize=3,
+                label=label)
       bad = np.flatnonzero(~np.isfinite(r.losses))
       if bad.size:
         axis.axvline(bad[0], color="red", alpha=0.4)
@@ -258,8 +294,13 @@ def unwritable_folder(path: pathlib.Path) -> str | None:
     with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-") as probe:
       probe.write(b"probe")
       probe.flush()
-  except FileExistsError:
-    return "it exists and is not a folder"
+  except (FileExistsError, NotADirectoryError):
+    # A file stands where a folder should be: `path` itself or one of its parents. Name it,
+    # since in "--json dir/name.json" the path the user wrote is not the folder.
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+      return f"{blocker} exists and is not a folder"
+    return "a file stands where a folder should be"
   except OSError as error:
     reason = error.strerror or str(error)
     where = getattr(error, "filename", None)
@@ -316,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("safefactor-demo"),
                       metavar="DIR",
                       help="folder for the plot, created if missing (./safefactor-demo)")
-  parser.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (0)")
+  parser.add_argument("--seed", type=int, default=0, metavar="N",
+                      help="random seed of the model's initialization and of the batches, "
+                           f"from 0 to {MAX_SEED} (2^32 - 1) (0)")
   parser.add_argument(
       "--rounding-steps", type=int, default=ROUNDING_STEPS, metavar="N",
       help=f"steps of each write-back run: bfloat16 params at lr {ROUNDING_LEARNING_RATE:g} "
@@ -341,6 +384,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--steps must be at least 2")
   if args.rounding_steps != 0 and args.rounding_steps < 2:
     parser.error("--rounding-steps must be 0 or at least 2")
+  if not 0 <= args.seed <= MAX_SEED:
+    parser.error(f"--seed must be from 0 to {MAX_SEED}, not {args.seed}")
   if args.accumulate < 1 or BATCH_SIZE % args.accumulate:
     parser.error(f"--accumulate must be a positive divisor of the batch size {BATCH_SIZE}")
   return args

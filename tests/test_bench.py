@@ -89,10 +89,32 @@ def test_bench_help_documents_every_option_and_duration(tmp_path):
 def test_legend_notes_what_makes_a_run_hard_to_read():
   row = {"tree": "vit-b16", "repetitions": 1, "bandwidth_fraction": 1.1, "factored_leaves": 0}
   text = " ".join(bench.legend([row]).split())
-  assert "fewer than 3 repetitions" in text and "1 row(s) above 100% bandwidth" in text
+  assert "fewer than 3 repetitions" in text and "1 row above 100% bandwidth" in text
   assert "no leaf of vit-b16 is factored" in text
   row = {"tree": "vit-b16", "repetitions": 5, "bandwidth_fraction": 0.9, "factored_leaves": 50}
   assert "Note" not in bench.legend([row])
+  rows = [{**row, "bandwidth_fraction": 1.1}] * 2
+  assert "2 rows above 100% bandwidth" in " ".join(bench.legend(rows).split())
+
+
+def test_bench_runs_as_a_module(tmp_path):
+  # `python -m optax_safefactor.bench` once printed nothing and exited 0.
+  result = subprocess.run(
+      [sys.executable, "-m", "optax_safefactor.bench", "--help"], cwd=tmp_path,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("usage: ") and "--repetitions" in result.stdout
+
+
+def test_json_under_a_file_names_the_file(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(bench, "measure", lambda *args: pytest.fail("measured"))
+  (tmp_path / "afile").write_text("")
+  out = tmp_path / "afile" / "bench.json"
+  assert bench.main(["--json", str(out)]) == 2
+  # "it exists" once read as bench.json; the folder that is a file is named.
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"python -m optax_safefactor bench: error: cannot write --json {out}: "
+      f"{tmp_path / 'afile'} exists and is not a folder"]
 
 
 @pytest.mark.parametrize("module", ["bench.py", "demo.py", "__main__.py"])

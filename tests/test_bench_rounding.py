@@ -44,3 +44,26 @@ def test_help_names_the_small_run(capsys):
     bench_rounding.main(["--help"])
   assert exit_info.value.code == 0
   assert "--small runs --trees scanned-24" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("json_path", ["folder", "afile/rounding.json"])
+def test_json_path_checked_before_measuring(json_path, tmp_path, capsys, monkeypatch):
+  # An existing folder once ran the whole benchmark, then failed with IsADirectoryError.
+  monkeypatch.setattr(bench_rounding, "measure", lambda *args: pytest.fail("measured"))
+  (tmp_path / "folder").mkdir()
+  (tmp_path / "afile").write_text("")
+  out = tmp_path / json_path
+  with pytest.raises(SystemExit) as exit_info:
+    bench_rounding.main(["--small", "--json", str(out)])
+  assert exit_info.value.code == 2
+  reason = "it is a folder" if json_path == "folder" else (
+      f"{tmp_path / 'afile'} exists and is not a folder")
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"python -m optax_safefactor.bench_rounding: error: cannot write --json {out}: {reason}")
+
+
+def test_help_lists_trees_and_default_configs_plainly():
+  text = " ".join(bench_rounding.build_parser().format_help().split())
+  assert "any of 600-leaves, gpt2-small, scanned-24, vit-b16 (gpt2-small scanned-24)" in text
+  assert "momentum=0.9 in bfloat16 (both)" in text
+  assert "['" not in text and "(default momentum)" not in text

@@ -77,6 +77,19 @@ def test_rounding_steps_is_zero_or_at_least_two(tmp_path):
   assert result.returncode == 2 and "--rounding-steps must be 0 or at least 2" in result.stderr
 
 
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999999"])
+def test_seed_outside_what_jax_and_numpy_take_is_a_usage_error(seed, capsys):
+  # Once a ValueError from numpy and an OverflowError from jax, after the first run began.
+  with pytest.raises(SystemExit) as exit_info:
+    demo.parse_args(["--steps", "2", "--seed", seed])
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert error == (
+      f"python -m optax_safefactor: error: --seed must be from 0 to 4294967295, not {seed}")
+  assert demo.parse_args(["--seed", "4294967295"]).seed == 4294967295
+  assert "from 0 to 4294967295" in " ".join(demo.build_parser().format_help().split())
+
+
 def test_help(tmp_path):
   result = _run("--help", cwd=tmp_path)
   assert result.returncode == 0 and "--dtype" in result.stdout and "--seed" in result.stdout
@@ -106,9 +119,10 @@ def test_unwritable_folder_reasons(tmp_path):
   assert demo.unwritable_folder(tmp_path / "a" / "b") is None
   assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe is removed
   (tmp_path / "file").write_text("")
-  assert demo.unwritable_folder(tmp_path / "file") == "it exists and is not a folder"
-  reason = demo.unwritable_folder(tmp_path / "file" / "below")
-  assert reason is not None and "Not a directory" in reason
+  # The file in the way is named: in "--json dir/x.json" it is not the path the user wrote.
+  named = f"{tmp_path / 'file'} exists and is not a folder"
+  assert demo.unwritable_folder(tmp_path / "file") == named
+  assert demo.unwritable_folder(tmp_path / "file" / "below") == named
 
 
 def _result(optimizer, dtype, steps, **fields):
@@ -147,9 +161,55 @@ def test_write_back_panel_follows_the_dtype_panels():
   figure = demo.loss_figure(results)
   try:
     titles = [axis.get_title() for axis in figure.axes]
-    assert titles == ["params in float16", "write-back at lr 0.001 (mean of 20 steps)"]
+    assert titles == ["params in float16", "write-back at lr 0.001 (mean of 15 steps)"]
     labels = [line.get_label() for line in figure.axes[1].get_lines()]
     assert labels == ["safefactor, float32 nearest", "safefactor, bfloat16 stochastic"]
+  finally:
+    plt.close(figure)
+
+
+def _visible(line) -> bool:
+  """Whether a plotted curve shows: a marker on a finite point, or two finite points in a row."""
+  finite = np.isfinite(np.asarray(line.get_ydata(), float))
+  return bool(finite.any() and (line.get_marker() not in ("None", "", None)
+                                or (finite[1:] & finite[:-1]).any()))
+
+
+def test_short_runs_label_their_window_and_show_every_curve():
+  import matplotlib.pyplot as plt
+
+  nan = float("nan")
+  # --steps 3: optax's float16 run has one finite step, and a run can have none at all.
+  results = [_result("safefactor", "float16", 3),
+             demo.RunResult("optax.adafactor", "float16", [3.0, nan, nan], 2, None, 1024, 1.0),
+             _result("safefactor", "bfloat16", 3),
+             demo.RunResult("optax.adafactor", "bfloat16", [nan] * 3, 3, None, 1024, 1.0)]
+  assert "| mean loss, last 3 steps |" in demo.results_table(results)
+  # --rounding-steps 6: shorter than the 20-step window.
+  results += [_result("safefactor", dtype, 6, rounding=rounding, learning_rate=1e-3,
+                      comparison="rounding")
+              for dtype, rounding in [("float32", "nearest"), ("bfloat16", "kahan")]]
+  table = demo.results_table(results).splitlines()
+  assert "| mean loss, last 6 steps |" in table[0]
+  assert "| 2.500 (all 3 steps) |" in table[2] and "| 2.500 | 0 / 6 |" in table[-1]
+  figure = demo.loss_figure(results)
+  try:
+    figure.canvas.draw()
+    titles = [axis.get_title() for axis in figure.axes]
+    assert titles == ["params in float16", "params in bfloat16",
+                      "write-back at lr 0.001 (mean of 3 steps)"]
+    for axis in figure.axes:
+      curves = [line for line in axis.get_lines() if not line.get_label().startswith("_")]
+      for line in curves:  # every curve in the legend shows, or its label says why not
+        assert _visible(line) or line.get_label().endswith("(all non-finite)"), line.get_label()
+      ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
+      assert len(ticks) > 1 and all(float(t).is_integer() for t in ticks), ticks
+    labels = [line.get_label() for line in figure.axes[1].get_lines()]
+    assert "optax.adafactor (all non-finite)" in labels
+    assert _visible(next(line for line in figure.axes[0].get_lines()
+                         if line.get_label() == "optax.adafactor"))
+    # The running mean keeps a curve, not one point per run.
+    assert [len(line.get_xdata()) for line in figure.axes[2].get_lines()] == [4, 4]
   finally:
     plt.close(figure)
 
