@@ -1,7 +1,10 @@
 """skip_nonfinite and skipped_steps, around safefactor and around any optax transform."""
 
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -98,12 +101,60 @@ def test_reports_agree_over_several_guards():
   assert report["skipped_steps"] == 0 and report["guard1/skipped_steps"] == 1
   summary = osf.nonfinite_summary(state)
   assert summary.startswith("1 skipped in total;"), summary
-  assert "guard1: skipped 1 of 1 steps" in summary and "params['a'] x1" in summary
+  assert "guard1: skipped 1 of 1 step (" in summary and "params['a'] x1" in summary
 
 
 def test_max_consecutive_must_be_positive():
   with pytest.raises(ValueError, match="max_consecutive"):
     osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=0)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 2.0, True, "3"])
+def test_max_consecutive_must_be_a_positive_int_in_both_places(value):
+  # check_nonfinite_steps(max_consecutive=0) raised a false "0 consecutive optimizer
+  # steps were non-finite ... at step -1" on a fresh, healthy state; skip_nonfinite
+  # took int(value), so 1.5 and True passed and "3" failed later with its own error.
+  state = osf.safefactor(0.1).init({"a": jnp.ones(3)})
+  with pytest.raises(ValueError, match=rf"max_consecutive must be a positive int, got "
+                     rf"{re.escape(repr(value))} \(check_nonfinite_steps raises once"):
+    osf.check_nonfinite_steps(state, max_consecutive=value)
+  with pytest.raises(ValueError, match=r"max_consecutive must be a positive int or None, got"):
+    osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=value)
+
+
+def test_max_consecutive_accepts_ints_of_any_kind():
+  state = osf.safefactor(0.1).init({"a": jnp.ones(3)})
+  for value in (1, np.int32(2), jnp.asarray(3)):
+    osf.check_nonfinite_steps(state, max_consecutive=value)
+    osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=value)
+
+
+def test_messages_count_in_good_english():
+  # "skipped 1 of 1 steps", "no skipped steps in 0 steps" and "1 consecutive optimizer
+  # steps were non-finite" before.
+  params = {"a": jnp.ones(3)}
+  tx = osf.safefactor(0.1)
+  state = tx.init(params)
+  assert osf.nonfinite_summary(state) == "no steps yet"
+  _, state = tx.update({"a": jnp.full(3, jnp.nan)}, state, params)
+  assert osf.nonfinite_summary(state) == (
+      "skipped 1 of 1 step (1 in a row); non-finite: params['a'] x1 (last at step 0)")
+  with pytest.raises(osf.NonFiniteStepsError,
+                     match=r"^1 optimizer step was non-finite and skipped \(max_consecutive=1\); "
+                     r"at step 0 "):
+    osf.check_nonfinite_steps(state, max_consecutive=1)
+  eager = osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=1)
+  with pytest.raises(osf.NonFiniteStepsError, match=r"^1 optimizer step was non-finite"):
+    eager.update({"a": jnp.full(3, jnp.nan)}, eager.init(params), params)
+
+  accumulate = osf.accumulate_gradients(osf.safefactor(0.1), 2)
+  state = accumulate.init(params)
+  assert osf.nonfinite_summary(state) == (
+      "0 skipped in total; guard0: no steps yet; accumulation: no micro-batches yet")
+  _, state = accumulate.update({"a": jnp.full(3, jnp.inf)}, state, params)
+  assert "accumulation: skipped 1 of 1 micro-batch (1 in a row)" in osf.nonfinite_summary(state)
+  with pytest.raises(osf.NonFiniteStepsError, match=r"^1 micro-batch was non-finite and skipped"):
+    osf.check_nonfinite_steps(state, max_consecutive=1)
 
 
 def test_skipped_steps_is_found_through_wrappers():

@@ -25,6 +25,9 @@ PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)}}
      r"rounding_seed must be an int \(or an integer array\), got '0'"),
     ({"rounding_seed": 0.5}, TypeError, r"rounding_seed must be an int"),
     ({"rounding_seed": 2**64}, ValueError, r"rounding_seed must fit in 64 bits"),
+    # int() let 1.5 and True through as counts.
+    ({"max_consecutive_skips": 1.5}, ValueError, r"max_consecutive_skips must be a positive int"),
+    ({"max_consecutive_skips": True}, ValueError, r"max_consecutive_skips must be a positive int"),
     ({"factor_rules": {"kernel": ("row", "column")}}, TypeError,
      r"factor_rules must be a function \(or None\), got a dict.*logical_factor_rules"),
 ])

@@ -93,6 +93,7 @@ def _accumulate(
   outputs, as ``optax.MultiSteps`` does. Both give the same results;
   ``optax_safefactor.bench_accumulate`` measures the two.
   """
+  checks.check_transformation(inner, "accumulate_gradients")
   if gate not in ("cond", "select"):
     raise ValueError(f"gate must be 'cond' or 'select', got {gate!r}")
   positive_int = (isinstance(every_k, (int, np.integer)) and not isinstance(every_k, bool)
@@ -102,10 +103,7 @@ def _accumulate(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    jax.tree_util.tree_map_with_path(
-        lambda path, param: checks.check_param_leaf(path, placement.unbox(param)),
-        params, is_leaf=placement.is_box,
-    )
+    checks.check_init_params(params)
     return AccumulationState(
         inner_state=inner.init(params),
         accumulator=jax.tree.map(_accumulator_like, params, is_leaf=placement.is_box),
@@ -115,10 +113,16 @@ def _accumulate(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    checks.check_state_type(state, AccumulationState, updates)
+    checks.check_state_type(state, AccumulationState, updates, "accumulate_gradients")
     jax.tree_util.tree_map_with_path(
         lambda path, grad: checks.check_param_leaf(path, grad, "grad"), updates)
     checks.check_same_structure(updates, state.accumulator, "the accumulator")
+    # The accumulator has its param's shape: a grad of another shape would broadcast
+    # into it, or fail there without a path. Checked even when params are not given.
+    jax.tree_util.tree_map_with_path(checks.check_grad_shape, updates, state.accumulator)
+    if params is not None:
+      # Any dtype: grads may be wider than their params (the inner transformation decides).
+      checks.check_update_inputs(updates, params, any_dtype=True)
     grads = updates
     count = state.accumulated + 1
     starts_group = state.accumulated == 0
@@ -232,5 +236,13 @@ def accumulate_gradients(
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is an
     :class:`AccumulationState`; extra arguments are passed on to ``inner``.
+
+  Raises:
+    TypeError: at construction, when ``inner`` is not a transformation (the factory
+      ``osf.safefactor`` rather than ``osf.safefactor(1e-3)``, say); in ``init`` and
+      ``update``, when a param or grad leaf is not a floating array; in ``update``,
+      when the state is not this transformation's.
+    ValueError: when ``every_k`` is neither a positive int nor a schedule; in
+      ``update``, when a grad's shape or the grads' structure differs from the params'.
   """
   return _accumulate(inner, every_k, "cond")

@@ -6,10 +6,15 @@ mismatch in a tree of hundreds of leaves is found at once.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from optax_safefactor._src import placement
 
 KeyPath = tuple[Any, ...]
 
@@ -42,27 +47,34 @@ def check_same_structure(grads: Any, reference: Any, reference_name: str) -> Non
   raise ValueError(f"grads do not match {reference_name}: " + "; ".join(details))
 
 
-def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param") -> None:
-  """A leaf must be a floating or complex array: no Python numbers, no integers or bools."""
+def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
+                     any_dtype: bool = False) -> None:
+  """A leaf must be a floating or complex array: no Python numbers, no integers or bools.
+
+  ``any_dtype`` accepts integer and bool arrays too: the wrappers around any optax
+  transformation leave dtypes to it (an integer leaf under ``optax.set_to_zero``, say)
+  and only need arrays.
+  """
   if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
     raise TypeError(
         f"{path_name(path)}: {what} is a {type(leaf).__name__} ({leaf!r}), not an array; "
         "make it one with jnp.asarray (a Python number has no dtype or shape to keep "
         "statistics for)"
     )
-  if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+  if not any_dtype and not jnp.issubdtype(leaf.dtype, jnp.inexact):
     raise TypeError(
         f"{path_name(path)}: {what} dtype {leaf.dtype} is not floating or complex; "
         "exclude it with optax.masked or optax.multi_transform"
     )
 
 
-def check_state_type(state: Any, expected: type, grads: Any) -> None:
+def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None = None) -> None:
   """``update`` must get the state this transformation's ``init`` made.
 
   The usual mistakes are an ``optax.adafactor`` state (to be converted with
   ``migrate_from_optax``), arguments in the wrong order, and a checkpoint restored
-  without a target (plain lists and dicts).
+  without a target (plain lists and dicts). A ``wrapper`` (its name) is usually
+  handed the state of the transformation it wraps, made by that one's own ``init``.
   """
   if isinstance(state, expected):
     return
@@ -73,13 +85,18 @@ def check_state_type(state: Any, expected: type, grads: Any) -> None:
     )
   kind = type(state).__name__
   hint = ""
-  if _holds_optax_factored_state(state):
-    hint = ("; it looks like an optax.adafactor state: convert it with "
-            "osf.migrate_from_optax(optax_state, optimizer, params)")
-  elif isinstance(state, (list, dict)):
+  if isinstance(state, (list, dict)):
     hint = ("; a checkpoint restored without a target gives plain lists and dicts: "
             "restore with the state of optimizer.init(params) (or "
             "jax.eval_shape(optimizer.init, params)) as the target")
+  elif wrapper is not None:
+    # Checked before the optax.adafactor hint: the inner transformation's state may
+    # well hold one, and migrate_from_optax does not make a wrapper's state.
+    hint = (f"; the state of the transformation it wraps (or of another optimizer) does "
+            f"not fit: make the state with the init of the {wrapper}(...) transformation")
+  elif _holds_optax_factored_state(state):
+    hint = ("; it looks like an optax.adafactor state: convert it with "
+            "osf.migrate_from_optax(optax_state, optimizer, params)")
   raise TypeError(f"update expected a {expected.__name__} from this optimizer's init, "
                   f"got a {kind}{hint}")
 
@@ -93,12 +110,27 @@ def _holds_optax_factored_state(state: Any) -> bool:
   return any(is_factored(x) for x in jax.tree.leaves(state, is_leaf=is_factored))
 
 
-def check_update_inputs(grads: Any, params: Any | None) -> None:
-  """Static checks of ``update``'s grads (and params), naming the parameter path."""
-  jax.tree_util.tree_map_with_path(lambda path, g: check_param_leaf(path, g, "grad"), grads)
+def check_init_params(params: Any, *, any_dtype: bool = False) -> None:
+  """Static checks of ``init``'s params (flax boxes unboxed), naming the parameter path."""
+  jax.tree_util.tree_map_with_path(
+      lambda path, param: check_param_leaf(path, placement.unbox(param), any_dtype=any_dtype),
+      params, is_leaf=placement.is_box,
+  )
+
+
+def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = False) -> None:
+  """Static checks of ``update``'s grads (and params), naming the parameter path.
+
+  ``any_dtype`` (for wrappers of any optax transformation) checks that every leaf is
+  an array and that shapes agree, and leaves dtypes to the wrapped transformation.
+  """
+  jax.tree_util.tree_map_with_path(
+      lambda path, g: check_param_leaf(path, g, "grad", any_dtype=any_dtype), grads)
   if params is not None:
     check_same_structure(grads, params, "params")
-    jax.tree_util.tree_map_with_path(check_grad_matches_param, grads, params)
+    jax.tree_util.tree_map_with_path(
+        lambda path, g, p: check_grad_matches_param(path, g, p, any_dtype=any_dtype),
+        grads, params)
 
 
 def check_state_fits_plans(grads: Any, second_moment: Any, plans: Any) -> None:
@@ -124,14 +156,93 @@ def check_state_fits_plans(grads: Any, second_moment: Any, plans: Any) -> None:
   jax.tree_util.tree_map_with_path(check_leaf, grads, second_moment, plans)
 
 
-def check_grad_matches_param(path: KeyPath, grad: Any, param: Any) -> None:
-  """Shapes must be equal and dtypes identical."""
+def check_grad_shape(path: KeyPath, grad: Any, param: Any) -> None:
+  """The grad must have its param's shape (``param`` may be anything shaped like it)."""
   if tuple(grad.shape) != tuple(param.shape):
     raise ValueError(
         f"{path_name(path)}: grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}"
     )
-  if grad.dtype != param.dtype:
+
+
+def check_grad_matches_param(path: KeyPath, grad: Any, param: Any, *,
+                             any_dtype: bool = False) -> None:
+  """Shapes must be equal and, unless ``any_dtype``, dtypes identical."""
+  check_param_leaf(path, param, any_dtype=any_dtype)
+  check_grad_shape(path, grad, param)
+  if not any_dtype and grad.dtype != param.dtype:
     raise TypeError(
         f"{path_name(path)}: grad dtype {grad.dtype} != param dtype {param.dtype}; "
         "cast the gradients to the parameters' dtype"
     )
+
+
+def _public_name(fn: Any) -> str:
+  """``optax.sgd`` for ``optax._src.alias.sgd``: the name users import it under."""
+  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+  package_name = (getattr(fn, "__module__", None) or "").split(".")[0]
+  package = sys.modules.get(package_name)
+  if package is not None and getattr(package, name, None) is fn:
+    return f"{'osf' if package_name == 'optax_safefactor' else package_name}.{name}"
+  return name
+
+
+def _call_example(fn: Any) -> str:
+  """``optax.sgd(learning_rate)``: the call with its required (else its first) argument."""
+  name = _public_name(fn)
+  try:
+    parameters = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):
+    return f"{name}(...)"
+  positional = [p for p in parameters
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  required = [p.name for p in positional if p.default is p.empty]
+  return f"{name}({', '.join(required or [p.name for p in positional[:1]])})"
+
+
+def check_transformation(inner: Any, wrapper: str, name: str = "inner") -> None:
+  """``inner`` must be an optax transformation: raise ``TypeError`` at construction.
+
+  Anything with callable ``init`` and ``update`` is accepted, as optax accepts it
+  (``optax.MultiSteps``, say). The usual mistake is the factory itself
+  (``optax.sgd`` for ``optax.sgd(1e-3)``), which only fails deep inside optax at
+  ``init``; the message says how to call it.
+
+  >>> import optax
+  >>> check_transformation(optax.sgd, "skip_nonfinite")
+  Traceback (most recent call last):
+  ...
+  TypeError: skip_nonfinite: inner must be an optax GradientTransformation ..., got the
+  function optax.sgd; call it: optax.sgd(learning_rate)
+  """
+  is_class = inspect.isclass(inner)
+  if not is_class and all(callable(getattr(inner, method, None)) for method in ("init", "update")):
+    return
+  expected = (f"{wrapper}: {name} must be an optax GradientTransformation (an object with "
+              "init and update, e.g. optax.adamw(1e-3))")
+  if callable(inner):
+    kind = "class" if is_class else "function"
+    raise TypeError(f"{expected}, got the {kind} {_public_name(inner)}; call it: "
+                    f"{_call_example(inner)}")
+  raise TypeError(f"{expected}, got a {type(inner).__name__} ({inner!r})")
+
+
+def check_positive_int(value: Any, name: str, *, none_ok: bool = False, meaning: str = "") -> None:
+  """``value`` must be an int of at least 1 (or ``None`` when ``none_ok``): else ``ValueError``.
+
+  Bools and floats are refused: ``True`` or ``2.5`` steps is a mistake, not a count. A
+  traced value cannot be judged and passes. ``meaning`` ends the message, saying what
+  the number is for.
+
+  >>> check_positive_int(0, "max_consecutive", meaning=" (a count of steps)")
+  Traceback (most recent call last):
+  ...
+  ValueError: max_consecutive must be a positive int, got 0 (a count of steps)
+  """
+  if (value is None and none_ok) or isinstance(value, jax.core.Tracer):
+    return
+  integral = ((isinstance(value, (int, np.integer)) and not isinstance(value, bool))
+              or (hasattr(value, "dtype") and np.ndim(value) == 0
+                  and jnp.issubdtype(value.dtype, jnp.integer)))
+  if not integral or value < 1:
+    allowed = "a positive int or None" if none_ok else "a positive int"
+    raise ValueError(f"{name} must be {allowed}, got {value!r}{meaning}")

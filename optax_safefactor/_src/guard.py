@@ -109,8 +109,11 @@ def init_micro_batch_counters(params: Any) -> MicroBatchCounters:
 def _nonfinite_message(consecutive: int, step: int, bad_leaves: list[str],
                        max_consecutive: int, words: _Wording | None = None) -> str:
   words = words or _WORDING["steps"]
+  # max_consecutive=1 stops at the first skip: "1 consecutive steps were" is wrong twice.
+  what = (f"1 {words.skipped_one} was" if consecutive == 1
+          else f"{consecutive} consecutive {words.skipped_what} were")
   return (
-      f"{consecutive} consecutive {words.skipped_what} were non-finite and skipped "
+      f"{what} non-finite and skipped "
       f"(max_consecutive={max_consecutive}); at {words.one} {step} the non-finite leaves "
       f"were: {', '.join(bad_leaves) or '(optimizer state only)'}. {words.held}"
   )
@@ -287,16 +290,30 @@ def skip_nonfinite(
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`SkipNonfiniteState`.
+
+  Raises:
+    TypeError: at construction, when ``inner`` is not a transformation (the factory
+      ``optax.sgd`` rather than ``optax.sgd(1e-3)``, say); in ``init`` and ``update``,
+      when a param or grad leaf is not an array; in ``update``, when the state is not
+      this transformation's.
+    ValueError: when ``max_consecutive`` is not a positive int or ``None``; in
+      ``update``, when grads and params differ in structure or in a leaf's shape.
   """
-  if max_consecutive is not None and int(max_consecutive) < 1:
-    raise ValueError(f"max_consecutive must be a positive int or None, got {max_consecutive!r}")
+  checks.check_transformation(inner, "skip_nonfinite")
+  checks.check_positive_int(
+      max_consecutive, "max_consecutive", none_ok=True,
+      meaning=" (the number of consecutive skipped steps that raises NonFiniteStepsError; "
+              "None never raises)")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    # Any dtype: skip_nonfinite wraps any transformation, which decides about integer leaves.
+    checks.check_init_params(params, any_dtype=True)
     return init_guarded(inner.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
-    checks.check_state_type(state, SkipNonfiniteState, updates)
+    checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
+    checks.check_update_inputs(updates, params, any_dtype=True)
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     leaf_finite = _leaf_finite_from_outputs(new_updates, new_inner)
     step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite))
@@ -339,6 +356,7 @@ class _Wording(NamedTuple):
   label: str
   one: str
   many: str
+  skipped_one: str
   skipped_what: str
   held: str
 
@@ -347,13 +365,14 @@ _WORDING = {
     "steps": _Wording(
         skipped="skipped_steps", consecutive="consecutive_skips", calls="steps",
         nonfinite="nonfinite_steps", last_nonfinite="last_nonfinite_step", label="guard",
-        one="step", many="steps", skipped_what="optimizer steps",
+        one="step", many="steps", skipped_one="optimizer step", skipped_what="optimizer steps",
         held="Params and optimizer state hold the last finite step."),
     "micro_batches": _Wording(
         skipped="skipped_micro_batches", consecutive="consecutive_skipped_micro_batches",
         calls="micro_batches", nonfinite="nonfinite_micro_batches",
         last_nonfinite="last_nonfinite_micro_batch", label="accumulation",
-        one="micro-batch", many="micro-batches", skipped_what="micro-batches",
+        one="micro-batch", many="micro-batches", skipped_one="micro-batch",
+        skipped_what="micro-batches",
         held="The accumulator holds the finite micro-batches only."),
 }
 
@@ -432,6 +451,15 @@ def skipped_steps(opt_state: Any) -> jax.Array:
     >>> osf.skipped_steps(state)
     Array(1, dtype=int32)
 
+  Args:
+    opt_state: an optimizer state holding at least one guard: a
+      :class:`SkipNonfiniteState` (of :func:`skip_nonfinite`, or of :func:`safefactor`
+      unless ``skip_nonfinite_steps=False``) or the counters of
+      :func:`accumulate_gradients`, at any depth.
+
+  Returns:
+    A scalar int32 array: the skipped steps and micro-batches of every guard, summed.
+
   Raises:
     ValueError: when the state holds no guard.
   """
@@ -467,6 +495,16 @@ def nonfinite_report(opt_state: Any) -> dict[str, int]:
     >>> report = osf.nonfinite_report(state)
     >>> report["skipped_steps"], report["nonfinite_steps/params['b']"]
     (1, 1)
+
+  Args:
+    opt_state: an optimizer state holding at least one guard (as for
+      :func:`skipped_steps`), with concrete values: call it outside ``jax.jit``.
+
+  Returns:
+    A dict from the keys above to Python ints.
+
+  Raises:
+    ValueError: when the state holds no guard.
   """
   records = guard_records(opt_state)
   report: dict[str, int] = {}
@@ -484,18 +522,24 @@ def nonfinite_report(opt_state: Any) -> dict[str, int]:
   return report
 
 
+def _counted(count: int, words: _Wording) -> str:
+  """``1 step``, ``2 steps``: a count with its noun."""
+  return f"{count} {words.one if count == 1 else words.many}"
+
+
 def _describe(record: GuardRecord) -> str:
   words = _WORDING[record.kind]
+  if record.calls == 0:
+    return f"no {words.many} yet"
   if record.skipped == 0:
-    return f"no skipped {words.many} in {record.calls} " + (
-        words.one if record.calls == 1 else words.many)
+    return f"no skipped {words.many} in {_counted(record.calls, words)}"
   leaves = [
       f"{path} x{count} (last at {words.one} {record.last_nonfinite[path]})"
       for path, count in record.nonfinite.items()
       if count
   ]
   return (
-      f"skipped {record.skipped} of {record.calls} {words.many} ({record.consecutive} in a "
+      f"skipped {record.skipped} of {_counted(record.calls, words)} ({record.consecutive} in a "
       f"row); non-finite: {', '.join(leaves) or 'state only'}"
   )
 
@@ -514,10 +558,20 @@ def nonfinite_summary(opt_state: Any) -> str:
     >>> params = {"w": jnp.ones((2, 3))}
     >>> state = tx.init(params)
     >>> print(osf.nonfinite_summary(state))
-    no skipped steps in 0 steps
+    no steps yet
     >>> _, state = tx.update({"w": jnp.full((2, 3), jnp.inf)}, state, params)
     >>> print(osf.nonfinite_summary(state))
-    skipped 1 of 1 steps (1 in a row); non-finite: params['w'] x1 (last at step 0)
+    skipped 1 of 1 step (1 in a row); non-finite: params['w'] x1 (last at step 0)
+
+  Args:
+    opt_state: an optimizer state holding at least one guard (as for
+      :func:`skipped_steps`), with concrete values: call it outside ``jax.jit``.
+
+  Returns:
+    One line of text, without a trailing newline.
+
+  Raises:
+    ValueError: when the state holds no guard.
   """
   records = guard_records(opt_state)
   if len(records) == 1:
@@ -546,8 +600,27 @@ def check_nonfinite_steps(opt_state: Any, max_consecutive: int) -> None:
     >>> osf.check_nonfinite_steps(state, max_consecutive=1)
     Traceback (most recent call last):
     ...
-    optax_safefactor.NonFiniteStepsError: 1 consecutive optimizer steps were non-finite ...
+    optax_safefactor.NonFiniteStepsError: 1 optimizer step was non-finite and skipped ...
+
+  Args:
+    opt_state: an optimizer state holding at least one guard (as for
+      :func:`skipped_steps`), with concrete values: call it outside ``jax.jit``.
+    max_consecutive: a positive int: raise once any guard's current run of skipped
+      steps (or skipped micro-batches) reaches it.
+
+  Returns:
+    ``None``, when no guard has reached ``max_consecutive``.
+
+  Raises:
+    NonFiniteStepsError: when a guard has skipped ``max_consecutive`` or more in a row.
+    ValueError: when ``max_consecutive`` is not a positive int, or the state holds no
+      guard.
   """
+  # 0 would "stop" a healthy fresh state, and a float or bool is a slip: refuse both.
+  checks.check_positive_int(
+      max_consecutive, "max_consecutive",
+      meaning=" (check_nonfinite_steps raises once a guard has skipped this many steps "
+              "in a row)")
   for record in guard_records(opt_state):
     if record.consecutive >= max_consecutive:
       last_step = record.calls - 1

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_safefactor._src import checks
 from optax_safefactor._src.plan import FactorRulesFn
 from optax_safefactor._src.rounding import ROUNDING_MODES
 
@@ -188,11 +189,8 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
         "params, so it needs a learning_rate (with learning_rate=None a later "
         "transformation would scale the rounded update)"
     )
-  if hyperparams.max_consecutive_skips is not None and int(hyperparams.max_consecutive_skips) < 1:
-    raise ValueError(
-        "max_consecutive_skips must be a positive int or None, got "
-        f"{hyperparams.max_consecutive_skips!r}"
-    )
+  checks.check_positive_int(hyperparams.max_consecutive_skips, "max_consecutive_skips",
+                            none_ok=True)
   return hyperparams
 
 

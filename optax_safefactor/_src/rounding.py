@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import compat, numerics
+from optax_safefactor._src import checks, compat, numerics
 
 DTypeLike = Any
 KeyPath = tuple[Any, ...]
@@ -676,13 +676,28 @@ def with_param_rounding(
     seed: the seed of the stochastic rounding (a Python int).
 
   Returns:
-    A :class:`optax.GradientTransformationExtraArgs` whose state is a
-    :class:`ParamRoundingState`.
+    A :class:`optax.GradientTransformationExtraArgs`. Its state is a named tuple of
+    ``inner_state`` (``inner``'s state, built from float32 copies of the params),
+    ``count`` (the applied steps, int32: with the seed and the leaf path it picks the
+    random bits) and ``compensation`` (``"kahan"`` only, else ``None``: per narrow
+    param, what rounding lost, in the param dtype; ``None`` for other leaves).
+
+  Raises:
+    TypeError: at construction, when ``inner`` is not a transformation (the factory
+      ``optax.sgd`` rather than ``optax.sgd(1e-3)``, say); in ``init`` and ``update``,
+      when a param or grad leaf is not an array; in ``update``, when the state is not
+      this transformation's.
+    ValueError: when ``mode`` is not one of the three; in ``update``, when params are
+      missing (every mode but ``"nearest"`` needs them), or grads and params differ in
+      structure or in a leaf's shape.
   """
+  checks.check_transformation(inner, "with_param_rounding")
   mode = check_rounding_mode(mode, "mode")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    # Any dtype: inner decides about integer leaves; the rounding skips them.
+    checks.check_init_params(params, any_dtype=True)
     compensation = None
     if mode == "kahan":
       # zeros_like keeps a concrete param's sharding (and an Explicit-axes tracer's).
@@ -694,10 +709,14 @@ def with_param_rounding(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    checks.check_state_type(state, ParamRoundingState, updates, "with_param_rounding")
     if mode != "nearest" and params is None:
       raise ValueError(
           f"with_param_rounding(mode={mode!r}) needs params: call update(grads, state, params)"
       )
+    # Any dtype: float32 grads for bfloat16 params are fine (the update takes the
+    # param's dtype); shapes and structure must agree, leaf by leaf.
+    checks.check_update_inputs(updates, params, any_dtype=True)
     inner_updates, inner_state = inner.update(
         _widen(updates), state.inner_state, None if params is None else _widen(params),
         **extra_args,

@@ -1,0 +1,149 @@
+"""The wrappers (with_param_rounding, accumulate_gradients, skip_nonfinite) name the mistake.
+
+safefactor's own update turns swapped arguments, a foreign state, a Python number for a
+leaf and a grad of the wrong shape into messages that name the argument or the
+parameter path; the wrappers used to fail with a raw AttributeError or a broadcasting
+error instead. They share safefactor's checks (``_src/checks.py``), so the messages are
+the same across the library.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_safefactor as osf
+
+MODES = ("nearest", "stochastic", "kahan")
+
+
+def _params():
+  return {"w": jnp.ones((4, 3), jnp.bfloat16)}
+
+
+def _grads():
+  return {"w": jnp.full((4, 3), 0.5, jnp.bfloat16)}
+
+
+# --- with_param_rounding -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_param_rounding_names_swapped_arguments(mode):
+  tx = osf.with_param_rounding(optax.sgd(1e-3), mode=mode)
+  state = tx.init(_params())
+  with pytest.raises(TypeError, match=r"first argument; call update\(grads, opt_state, params\)"):
+    tx.update(state, _grads(), _params())
+
+
+def test_with_param_rounding_names_a_foreign_state():
+  # The wrapped transformation's own state is the usual slip.
+  tx = osf.with_param_rounding(optax.sgd(1e-3))
+  with pytest.raises(TypeError, match=r"got a tuple.*init of the with_param_rounding"):
+    tx.update(_grads(), optax.sgd(1e-3).init(_params()), _params())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_param_rounding_names_a_python_number_leaf(mode):
+  tx = osf.with_param_rounding(optax.sgd(1e-3), mode=mode)
+  with pytest.raises(TypeError, match=r"params\['w'\]: param is a float \(1.0\), not an array"):
+    tx.init({"w": 1.0})
+  state = tx.init(_params())
+  with pytest.raises(TypeError, match=r"params\['w'\]: grad is a float \(1.0\), not an array"):
+    tx.update({"w": 1.0}, state, _params())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_param_rounding_names_a_grad_of_the_wrong_shape(mode):
+  tx = osf.with_param_rounding(optax.sgd(1e-3), mode=mode)
+  state = tx.init(_params())
+  grads = {"w": jnp.ones((3, 4), jnp.bfloat16)}
+  message = r"params\['w'\]: grad shape \(3, 4\) != param shape \(4, 3\)"
+  with pytest.raises(ValueError, match=message):
+    tx.update(grads, state, _params())
+  # Checked on shapes while tracing: the same message under jit.
+  with pytest.raises(ValueError, match=message):
+    jax.jit(tx.update)(grads, state, _params())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_param_rounding_leaves_dtypes_to_the_inner_transformation(mode):
+  # The checks refuse non-arrays and wrong shapes only: float32 grads for bfloat16
+  # params and an integer leaf that the inner transformation zeroes still work.
+  inner = optax.multi_transform({"sgd": optax.sgd(1e-3), "zero": optax.set_to_zero()},
+                                {"w": "sgd", "n": "zero"})
+  tx = osf.with_param_rounding(inner, mode=mode)
+  params = {"w": jnp.ones((4, 3), jnp.bfloat16), "n": jnp.arange(3, dtype=jnp.int32)}
+  grads = {"w": jnp.full((4, 3), -1.0, jnp.float32), "n": jnp.zeros(3, jnp.int32)}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert updates["n"].dtype == jnp.int32 and not np.any(np.asarray(updates["n"]))
+
+
+# --- accumulate_gradients and skip_nonfinite ------------------------------------------------
+
+
+def test_accumulate_gradients_names_a_grad_of_the_wrong_shape():
+  tx = osf.accumulate_gradients(osf.safefactor(1e-3), 2)
+  state = tx.init(_params())
+  message = r"params\['w'\]: grad shape \(3, 4\) != param shape \(4, 3\)"
+  with pytest.raises(ValueError, match=message):
+    tx.update({"w": jnp.ones((3, 4), jnp.bfloat16)}, state, _params())
+  with pytest.raises(ValueError, match=message):
+    jax.jit(tx.update)({"w": jnp.ones((3, 4), jnp.bfloat16)}, state, _params())
+  # A grad that would broadcast into the accumulator is refused too, without params.
+  with pytest.raises(ValueError, match=r"params\['w'\]: grad shape \(1, 3\) != param shape"):
+    tx.update({"w": jnp.ones((1, 3), jnp.bfloat16)}, state)
+
+
+def test_skip_nonfinite_names_a_python_number_leaf():
+  tx = osf.skip_nonfinite(optax.sgd(1e-3))
+  state = tx.init(_params())
+  with pytest.raises(TypeError, match=r"params\['w'\]: grad is a float \(1.0\), not an array"):
+    tx.update({"w": 1.0}, state, _params())
+  with pytest.raises(TypeError, match=r"params\['w'\]: param is a float \(1.0\), not an array"):
+    tx.init({"w": 1.0})
+
+
+def test_skip_nonfinite_names_a_grad_of_the_wrong_shape():
+  tx = osf.skip_nonfinite(optax.sgd(1e-3))
+  with pytest.raises(ValueError, match=r"params\['w'\]: grad shape \(3, 4\) != param shape"):
+    tx.update({"w": jnp.ones((3, 4), jnp.bfloat16)}, tx.init(_params()), _params())
+
+
+def test_skip_nonfinite_names_an_optax_adafactor_state_as_a_wrapped_state():
+  # Not the safefactor hint (migrate_from_optax makes no skip_nonfinite state).
+  tx = osf.skip_nonfinite(optax.adafactor(1e-3))
+  with pytest.raises(TypeError, match=r"SkipNonfiniteState.*init of the skip_nonfinite") as caught:
+    tx.update(_grads(), optax.adafactor(1e-3).init(_params()), _params())
+  assert "migrate_from_optax" not in str(caught.value)
+
+
+# --- construction: not a transformation -----------------------------------------------------
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: osf.skip_nonfinite(optax.sgd),
+     r"skip_nonfinite: inner must be an optax GradientTransformation.*got the function "
+     r"optax\.sgd; call it: optax\.sgd\(learning_rate\)"),
+    (lambda: osf.accumulate_gradients(osf.safefactor, 2),
+     r"accumulate_gradients: inner must be .*got the function osf\.safefactor; call it: "
+     r"osf\.safefactor\(learning_rate\)"),
+    (lambda: osf.with_param_rounding(1e-3),
+     r"with_param_rounding: inner must be .*got a float \(0\.001\)"),
+    (lambda: osf.skip_nonfinite(optax.MultiSteps),
+     r"got the class optax\.MultiSteps; call it: optax\.MultiSteps\("),
+], ids=["factory", "safefactor_factory", "number", "class"])
+def test_wrappers_refuse_what_is_not_a_transformation_at_construction(build, message):
+  with pytest.raises(TypeError, match=message):
+    build()
+
+
+def test_wrappers_accept_any_object_with_init_and_update():
+  # optax accepts optax.MultiSteps itself (not a GradientTransformation): so do they.
+  params = {"w": jnp.ones((4, 3))}
+  for tx in (osf.skip_nonfinite(optax.MultiSteps(optax.sgd(0.1), 2)),
+             osf.with_param_rounding(optax.MultiSteps(optax.sgd(0.1), 2)),
+             osf.accumulate_gradients(optax.MultiSteps(optax.sgd(0.1), 2), 2)):
+    with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float counts
+      tx.update(params, tx.init(params), params)
