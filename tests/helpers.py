@@ -158,3 +158,20 @@ def mean_of_last_losses(tx, params, loss, steps: int, last: int = 20) -> float:
 
   run = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), None, length=steps)[1])
   return float(jnp.mean(run(params, tx.init(params))[-last:]))
+
+
+def trained_by_plain_loop(tx, params, loss, steps: int):
+  """The params after ``steps`` of the plain optax loop: grad, ``update``, ``apply_updates``.
+
+  What a framework's training state (nnx.Optimizer, linen's TrainState) must reproduce.
+  """
+
+  @jax.jit
+  def step(params, state):
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params

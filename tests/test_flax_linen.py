@@ -4,12 +4,12 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from flax.training import train_state
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
+from tests.helpers import trained_by_plain_loop
 
 RULES = (("embed", "data"), ("mlp", "model"), ("layers", None))
 
@@ -59,17 +59,10 @@ def _plain_params(tx, steps):
   params = nn.meta.unbox(MODEL.init(jax.random.PRNGKey(0), jnp.ones((1, 256)))["params"])
   inputs, targets = _inputs()
 
-  @jax.jit
-  def step(params, opt_state):
-    grads = jax.grad(lambda p: jnp.mean((MODEL.apply({"params": p}, inputs) - targets) ** 2))(
-        params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  def loss(params):
+    return jnp.mean((MODEL.apply({"params": params}, inputs) - targets) ** 2)
 
-  opt_state = tx.init(params)
-  for _ in range(steps):
-    params, opt_state = step(params, opt_state)
-  return params
+  return trained_by_plain_loop(tx, params, loss, steps)
 
 
 def _create(rng, tx):

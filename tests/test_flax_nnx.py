@@ -10,6 +10,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
+from tests.helpers import trained_by_plain_loop
 
 
 class MLP(nnx.Module):
@@ -59,23 +60,12 @@ def _plain_params(tx, steps=STEPS):
   the float64 reference in test_moments.py and test_alias.py).
   """
   graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
-  params = nnx.to_pure_dict(params)
   inputs, targets = _data()
 
-  @jax.jit
-  def step(params, opt_state):
-    def loss_fn(params):
-      model = nnx.merge(graphdef, params)
-      return jnp.mean((model(inputs) - targets) ** 2)
+  def loss(params):
+    return jnp.mean((nnx.merge(graphdef, params)(inputs) - targets) ** 2)
 
-    grads = jax.grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  opt_state = tx.init(params)
-  for _ in range(steps):
-    params, opt_state = step(params, opt_state)
-  return params
+  return trained_by_plain_loop(tx, nnx.to_pure_dict(params), loss, steps)
 
 
 def _assert_matches_plain_loop(model, tx, rtol):
