@@ -89,6 +89,32 @@ def test_host_side_check_raises_its_own_type_between_jitted_steps():
     osf.check_nonfinite_steps(state, max_consecutive=2)
 
 
+@pytest.mark.parametrize("inner", ["safefactor", "chain"])
+def test_a_guard_inside_another_guard_is_counted(inner):
+  # The search stopped at the first guard: skip_nonfinite around a chain holding
+  # safefactor (whose own guard zeroes the NaN step, so the outer one sees a finite
+  # update) reported 0 skipped steps, and check_nonfinite_steps saw nothing.
+  params = {"w": jnp.ones((4, 3))}
+  wrapped = osf.safefactor(0.1)
+  if inner == "chain":
+    wrapped = optax.chain(optax.clip_by_global_norm(1.0), wrapped)
+  tx = osf.skip_nonfinite(wrapped)
+  state = tx.init(params)
+  for value in (1.0, jnp.nan, jnp.nan, 1.0):
+    _, state = tx.update({"w": jnp.full((4, 3), value)}, state, params)
+  assert int(osf.skipped_steps(state)) == 2
+  report = osf.nonfinite_report(state)
+  assert report["total_skipped_steps"] == 2 and report["guard1/skipped_steps"] == 2
+  assert report["skipped_steps"] == 0  # the outer guard's own
+  assert "guard1: skipped 2 of 4 steps (0 in a row)" in osf.nonfinite_summary(state)
+  with pytest.raises(osf.NonFiniteStepsError):
+    # Two in a row after the third step.
+    mid = tx.init(params)
+    for value in (1.0, jnp.nan, jnp.nan):
+      _, mid = tx.update({"w": jnp.full((4, 3), value)}, mid, params)
+    osf.check_nonfinite_steps(mid, max_consecutive=2)
+
+
 # optax.scale(1e39) overflows float32 on purpose: that is the non-finite step.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_reports_agree_over_several_guards():

@@ -147,3 +147,13 @@ def test_wrappers_accept_any_object_with_init_and_update():
              osf.accumulate_gradients(optax.MultiSteps(optax.sgd(0.1), 2), 2)):
     with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float counts
       tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("seed,error", [("0", TypeError), (1.5, TypeError), (2**70, ValueError)])
+def test_with_param_rounding_checks_its_seed_as_safefactor_does(seed, error):
+  # A string or float seed failed inside the first update with JAX's own dtype errors, and
+  # 2**70 silently drew the bits of seed 0.
+  with pytest.raises(error, match=r"^seed must (be an int|fit in 64 bits)"):
+    osf.with_param_rounding(optax.sgd(1e-3), seed=seed)
+  with pytest.raises(error, match=r"^rounding_seed must (be an int|fit in 64 bits)"):
+    osf.safefactor(1e-3, param_rounding="stochastic", rounding_seed=seed)

@@ -399,7 +399,8 @@ def _per_leaf_ints(tree: Any) -> dict[str, int]:
 
 
 def guard_records(opt_state: Any) -> list[GuardRecord]:
-  """One :class:`GuardRecord` per guard found anywhere in ``opt_state``, outermost first.
+  """One :class:`GuardRecord` per guard found anywhere in ``opt_state``, guards inside
+  another guard included, in the state's tree order (a guard before those inside it).
 
   The micro-batch counters of :func:`accumulate_gradients` are records too, of kind
   ``"micro_batches"``.

@@ -19,7 +19,7 @@ import optax
 
 from optax_safefactor._src import checks
 from optax_safefactor._src.plan import FactorRulesFn
-from optax_safefactor._src.rounding import ROUNDING_MODES
+from optax_safefactor._src.rounding import ROUNDING_MODES, check_seed
 
 DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
 
@@ -128,29 +128,6 @@ def _check_callable(name: str, value: Any) -> None:
     message += ("; for logical axis names per parameter, pass "
                 "factor_rules=osf.logical_factor_rules(axis_names)")
   raise TypeError(message)
-
-
-# A 64-bit word, signed or not: the most the rounding hash keys from.
-_SEED_RANGE = (-(2**63), 2**64)
-
-
-def check_seed(name: str, seed: Any) -> None:
-  """``seed`` is an int (or an integer array) that fits 64 bits, else an error naming ``name``.
-
-  >>> check_seed("rounding_seed", "0")
-  Traceback (most recent call last):
-  ...
-  TypeError: rounding_seed must be an int (or an integer array), got '0'
-  """
-  if isinstance(seed, (jax.Array, np.ndarray, jax.core.Tracer)):
-    # optax.inject_hyperparams hands an int over as an int32 array.
-    if jnp.issubdtype(seed.dtype, jnp.integer) and seed.ndim == 0:
-      return
-  elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-    if _SEED_RANGE[0] <= int(seed) < _SEED_RANGE[1]:
-      return
-    raise ValueError(f"{name} must fit in 64 bits, got {seed!r}")
-  raise TypeError(f"{name} must be an int (or an integer array), got {seed!r}")
 
 
 def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> Hyperparams:

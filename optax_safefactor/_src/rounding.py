@@ -125,6 +125,29 @@ def _uint32(value: Any) -> jax.Array:
   return value.astype(jnp.uint32)
 
 
+# A 64-bit word, signed or not: the most the rounding hash keys from.
+_SEED_RANGE = (-(2**63), 2**64)
+
+
+def check_seed(name: str, seed: Any) -> None:
+  """``seed`` is an int (or an integer array) that fits 64 bits, else an error naming ``name``.
+
+  >>> check_seed("rounding_seed", "0")
+  Traceback (most recent call last):
+  ...
+  TypeError: rounding_seed must be an int (or an integer array), got '0'
+  """
+  if isinstance(seed, (jax.Array, np.ndarray, jax.core.Tracer)):
+    # optax.inject_hyperparams hands an int over as an int32 array.
+    if jnp.issubdtype(seed.dtype, jnp.integer) and seed.ndim == 0:
+      return
+  elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+    if _SEED_RANGE[0] <= int(seed) < _SEED_RANGE[1]:
+      return
+    raise ValueError(f"{name} must fit in 64 bits, got {seed!r}")
+  raise TypeError(f"{name} must be an int (or an integer array), got {seed!r}")
+
+
 def _seed_words(seed: Any) -> tuple[Any, Any]:
   """``seed`` as the high and low 32-bit words of a 64-bit two's-complement integer.
 
@@ -693,6 +716,7 @@ def with_param_rounding(
   """
   checks.check_transformation(inner, "with_param_rounding")
   mode = check_rounding_mode(mode, "mode")
+  check_seed("seed", seed)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

@@ -34,19 +34,30 @@ def unzip_leaf_results(reference: Any, results: Any, arity: int) -> tuple[Any, .
 
 
 def find_all(tree: Any, kind: type) -> list[Any]:
-  """Every node of type ``kind`` in ``tree``, outermost first, without looking inside them.
+  """Every node of type ``kind`` in ``tree``, those inside another one included.
+
+  In the tree's order, each node before the nodes inside it: a guard wrapped around
+  a chain that holds safefactor's own guard gives both.
 
   >>> from typing import NamedTuple
   >>> class Counter(NamedTuple):
-  ...   n: int
-  >>> find_all({"a": Counter(1), "b": [Counter(2), 3]}, Counter)
-  [Counter(n=1), Counter(n=2)]
+  ...   n: object
+  >>> find_all({"a": Counter(Counter(1)), "b": [Counter(2), 3]}, Counter)
+  [Counter(n=Counter(n=1)), Counter(n=1), Counter(n=2)]
   """
+  found = [tree] if isinstance(tree, kind) else []
 
-  def is_kind(x):
-    return isinstance(x, kind)
+  def look_inside(node):
+    def is_kind_below(x):
+      return x is not node and isinstance(x, kind)
 
-  return [x for x in jax.tree.leaves(tree, is_leaf=is_kind) if is_kind(x)]
+    for x in jax.tree.leaves(node, is_leaf=is_kind_below):
+      if is_kind_below(x):
+        found.append(x)
+        look_inside(x)
+
+  look_inside(tree)
+  return found
 
 
 def _key_names(path: Any) -> tuple[str, ...]:
