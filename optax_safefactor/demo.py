@@ -421,3 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   plot(results, path)
   print(f"plot: {path}")
   return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -97,15 +97,6 @@ def test_legend_notes_what_makes_a_run_hard_to_read():
   assert "2 rows above 100% bandwidth" in " ".join(bench.legend(rows).split())
 
 
-def test_bench_runs_as_a_module(tmp_path):
-  # `python -m optax_safefactor.bench` once printed nothing and exited 0.
-  result = subprocess.run(
-      [sys.executable, "-m", "optax_safefactor.bench", "--help"], cwd=tmp_path,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.startswith("usage: ") and "--repetitions" in result.stdout
-
-
 def test_json_under_a_file_names_the_file(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(bench, "measure", lambda *args: pytest.fail("measured"))
   (tmp_path / "afile").write_text("")

@@ -227,3 +227,13 @@ def test_help_prints_every_option_as_written(module):
     written = action.help.replace("%%", "%")
     assert action.help % dict(vars(action), prog=parser.prog) == written, action.option_strings
     assert "".join(written.split()) in rendered, action.option_strings
+
+
+@pytest.mark.parametrize("module", ["demo", "bench", "bench_rounding", "bench_accumulate"])
+def test_every_entry_point_runs_as_a_module(module, tmp_path):
+  # `python -m optax_safefactor.bench` (and .demo) once printed nothing and exited 0.
+  result = subprocess.run(
+      [sys.executable, "-m", f"optax_safefactor.{module}", "--help"], cwd=tmp_path,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("usage: python -m optax_safefactor"), result.stdout[:200]
