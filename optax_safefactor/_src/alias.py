@@ -100,17 +100,18 @@ def safefactor(
       so it holds under any wrapping (``optax.chain``, ``inject_hyperparams``,
       ``masked``, ``MultiSteps``...).
     max_consecutive_skips: as :func:`skip_nonfinite`'s ``max_consecutive``.
-    checked: as :func:`skip_nonfinite`'s ``checked``: raise through checkify on the
-      first non-finite leaf, with its path and the step (debugging).
     factor_rules: ``(path, shape) -> roles`` choosing each axis's role: ``"row"``,
       ``"column"``, ``"batch"`` (a separate slice: stacked layers, experts),
       ``"none"``, or ``None`` to leave it to the heuristic; the callable may return
       ``None`` for the heuristic on the whole leaf. See :func:`logical_factor_rules`.
+    checked: as :func:`skip_nonfinite`'s ``checked``: raise through checkify on the
+      first non-finite leaf, with its path and the step (debugging).
     param_rounding: how the update lands on params narrower than float32 (bfloat16,
       float16): ``"nearest"`` rounds the update to the param dtype (optax's behaviour:
       updates below half an ulp of the param are lost); ``"stochastic"`` lands the
       param on ``param + update`` rounded stochastically (unbiased, no extra state),
-      and also stores a narrow momentum (``dtype_momentum="bfloat16"``) that way;
+      and also stores narrow momentum and statistics (``dtype_momentum`` or
+      ``state_dtype`` ``"bfloat16"``) that way;
       ``"kahan"`` rounds to nearest and keeps the rounding error in a compensation
       buffer of the param's dtype, added to the next update. The two rounding modes
       need a ``learning_rate``: the rounded update must be the final one.
@@ -120,6 +121,18 @@ def safefactor(
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.
+
+  Raises:
+    TypeError: at construction, for an argument of the wrong kind (a number given as a
+      string, a dtype that is not floating, a seed that is not an int); in ``init`` and
+      ``update``, naming the parameter path, for a leaf that is not a floating array
+      or a grad whose dtype differs from its param's; in ``update``, for a state this
+      optimizer's ``init`` did not make (an ``optax.adafactor`` state, swapped
+      arguments, a checkpoint restored without a target).
+    ValueError: at construction, for a number out of its range (``decay_rate <= 0``,
+      ``momentum >= 1``...); in ``update``, naming the path, for grads whose tree or
+      shapes differ from the params', and for missing params when
+      ``multiply_by_parameter_scale``, weight decay or a rounding mode needs them.
 
   References:
     Shazeer et al, `Adafactor: Adaptive Learning Rates with Sublinear Memory
@@ -202,6 +215,10 @@ def scale_by_safe_factored_rms(
     A :class:`optax.GradientTransformationExtraArgs` whose state is an
     :class:`AdafactorState` (without momentum), or a :class:`SkipNonfiniteState`
     around one with ``skip_nonfinite_steps``.
+
+  Raises:
+    TypeError, ValueError: as :func:`safefactor` raises them, naming this function's
+      own arguments (``epsilon``, ``step_offset``).
 
   References:
     Shazeer et al, `Adafactor: Adaptive Learning Rates with Sublinear Memory

@@ -477,8 +477,8 @@ def nonfinite_report(opt_state: Any) -> dict[str, int]:
   Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), then
   ``nonfinite_steps/<path>`` and ``last_nonfinite_step/<path>`` (-1 if never) for each
   parameter. With several guards in one state, the keys of the second and later ones
-  are prefixed ``guard<i>/``, and ``total_skipped_steps`` sums every guard (it equals
-  :func:`skipped_steps`).
+  are prefixed ``guard<i>/``. ``total_skipped_steps``, always there, sums every guard
+  (it equals :func:`skipped_steps`).
 
   Micro-batches skipped by :func:`accumulate_gradients` have keys of their own:
   ``skipped_micro_batches``, ``consecutive_skipped_micro_batches``, ``micro_batches``

@@ -54,7 +54,11 @@ class FactoredMoment(NamedTuple):
 
 
 class FullMoment(NamedTuple):
-  """Second moment of an unfactored leaf: one statistic per element."""
+  """Second moment of an unfactored leaf: one statistic per element.
+
+  Attributes:
+    v: the leaf's shape: the moving average of ``g**2 + eps`` per element.
+  """
 
   v: jax.Array
 

@@ -113,7 +113,9 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
     ValueError: naming the param, when the two optimizers factor it differently, or
       when momentum is on in one and off in the other; naming the first differing
       path, when ``params`` does not have the tree of ``optax_state``'s statistics;
-      when ``optimizer`` holds no safefactor state to receive the statistics.
+      when ``optimizer`` holds no safefactor state to receive the statistics; when
+      ``optax_state`` holds no ``optax.FactoredState`` (a checkpoint restored without
+      a target: the message says how to build one).
   """
   factored_state = _find(optax_state, optax.FactoredState)
   if factored_state is None:

@@ -198,6 +198,10 @@ def state_partition_specs(
 
   Returns:
     A pytree of ``PartitionSpec`` (or ``NamedSharding``) shaped like the state.
+
+  Raises:
+    ValueError: naming the param, when ``param_specs`` does not hold one
+      ``PartitionSpec`` per param.
   """
   if param_specs is None:
     def spec_of(param):
