@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
@@ -63,7 +63,8 @@ def test_restore_onto_another_mesh(tmp_path):
   tx = _tx()
   rng = np.random.default_rng(0)
   values = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
-  save_mesh = jax.make_mesh((2, 4), ("data", "model"))
+  # Axis types spelled out: the default changed from Auto to Explicit in JAX 0.9.
+  save_mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   with jax.set_mesh(save_mesh):
     params = {k: jax.device_put(v, NamedSharding(save_mesh, SPECS[k])) for k, v in values.items()}
     params, state = _steps(tx, params, tx.init(params), 0, 3)
@@ -71,7 +72,7 @@ def test_restore_onto_another_mesh(tmp_path):
   checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
   checkpointer.wait_until_finished()
 
-  restore_mesh = jax.make_mesh((4, 2), ("data", "model"))
+  restore_mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   abstract_params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   state_shardings = osf.state_partition_specs(tx, abstract_params, SPECS, mesh=restore_mesh)
   target = {
