@@ -90,14 +90,15 @@ def measure(tree: str, scale: float, repetitions: int, config: str) -> list[dict
     print(f"  compiled {tree} / {config} / {mode} in {compile_s:.1f} s", file=sys.stderr,
           flush=True)
   for round_index in range(repetitions + 1):  # round 0 warms up and is dropped
-    for mode, runner in runners.items():
-      compiled, p, s = runner
-      start = time.perf_counter()
-      p, s = compiled(p, s, grads)
-      jax.block_until_ready((p, s))
-      if round_index:
-        rows[mode]["step_s_rounds"].append(time.perf_counter() - start)
-      runner[1:] = [p, s]
+    with bench.without_garbage_collection():
+      for mode, runner in runners.items():
+        compiled, p, s = runner
+        start = time.perf_counter()
+        p, s = compiled(p, s, grads)
+        jax.block_until_ready((p, s))
+        if round_index:
+          rows[mode]["step_s_rounds"].append(time.perf_counter() - start)
+        runner[1:] = [p, s]
   base = rows["nearest"]
   for row in rows.values():
     rounds = np.asarray(row["step_s_rounds"])
