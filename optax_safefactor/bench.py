@@ -396,10 +396,11 @@ def legend(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
-# Measured on a 2-core CPU shared with other jobs (load 6 to 10): the full run took 28
-# minutes of wall time, 12 minutes of CPU time and 15.4 GiB at its peak (the 194M-param
-# float32 tree: six optimizers' params and states live at once); the small run 39 s.
-FULL_RUN = "about 30 minutes and 16 GB of memory on a 2-core CPU"
+# Measured on a 2-core CPU: the full run took 8 min 46 s of wall time and 15.5 GB at its
+# peak (the 194M-param float32 tree: six optimizers' params and states live at once) with
+# the machine otherwise idle, and 28 minutes while other jobs shared it (load 6 to 10);
+# the small run 39 s.
+FULL_RUN = "about 9 minutes (longer on a busy machine) and 16 GB of memory on a 2-core CPU"
 SMALL_RUN = "--trees scanned-24 --dtypes float32 --scale 0.2 --repetitions 3"
 SMALL_RUN_TIME = "about 40 s"
 

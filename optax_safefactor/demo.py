@@ -334,7 +334,7 @@ def wrap(text: str, indent: str = "", first: str | None = None) -> str:
 EPILOG = "subcommand:\n" + wrap(
     "safefactor against optax.adafactor on model-shaped parameter trees: step time, "
     "compile time, temporary and state memory, as ratios with their spread over "
-    "repetitions. A full run takes about 30 minutes and 16 GB of memory on a 2-core CPU; "
+    "repetitions. A full run takes about 9 minutes and 16 GB of memory on a 2-core CPU; "
     f"`{PROG} bench --help` lists its options and a run of under a minute.",
     indent=" " * 12, first="  bench     ")
 
