@@ -44,7 +44,11 @@ def test_bench_runs_and_writes_json(tmp_path):
     # Each timed figure comes with its spread over the rounds, and the rounds themselves.
     assert len(row["step_s_rounds"]) == len(row["copy_s_rounds"]) == row["repetitions"] == 3
     for key in ("step_ratio", "roofline_fraction", "bandwidth_fraction"):
-      assert 0 < row[f"{key}_min"] <= row[key] <= row[f"{key}_max"], (key, row)
+      # The median and its range are computed in different orders, so where the median's
+      # round is the extreme one they can differ in the last bit (seen: 0.3981043713406981
+      # against 0.39810437134069804).
+      low, high = row[f"{key}_min"] * (1 - 1e-12), row[f"{key}_max"] * (1 + 1e-12)
+      assert 0 < low <= row[key] <= high, (key, row)
     assert 0 < row["factored_leaves"] < row["leaves"]  # both kinds of leaf are measured
     if row["optimizer"] == "optax.adafactor":
       assert row["step_ratio_min"] == row["step_ratio_max"] == 1
