@@ -28,23 +28,27 @@ def _paths(tree: Any) -> list[str]:
   return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def check_same_structure(grads: Any, reference: Any, reference_name: str) -> None:
-  """Raise ``ValueError`` listing missing and unexpected leaves when the trees differ."""
-  grads_def = jax.tree.structure(grads)
+def check_same_structure(tree: Any, reference: Any, reference_name: str, *,
+                         name: str = "grads", hint: str = "") -> None:
+  """Raise ``ValueError`` listing missing and unexpected leaves when the trees differ.
+
+  ``name`` is what the user passed as ``tree``; ``hint``, if any, ends the message.
+  """
+  tree_def = jax.tree.structure(tree)
   reference_def = jax.tree.structure(reference)
-  if grads_def == reference_def:
+  if tree_def == reference_def:
     return
-  grad_paths, reference_paths = _paths(grads), _paths(reference)
-  missing = [p for p in reference_paths if p not in set(grad_paths)]
-  unexpected = [p for p in grad_paths if p not in set(reference_paths)]
+  paths, reference_paths = _paths(tree), _paths(reference)
+  missing = [p for p in reference_paths if p not in set(paths)]
+  unexpected = [p for p in paths if p not in set(reference_paths)]
   details = []
   if missing:
-    details.append(f"missing from grads: {', '.join(missing)}")
+    details.append(f"missing from {name}: {', '.join(missing)}")
   if unexpected:
-    details.append(f"in grads but not in {reference_name}: {', '.join(unexpected)}")
+    details.append(f"in {name} but not in {reference_name}: {', '.join(unexpected)}")
   if not details:
-    details.append(f"grads tree {grads_def} != {reference_name} tree {reference_def}")
-  raise ValueError(f"grads do not match {reference_name}: " + "; ".join(details))
+    details.append(f"{name} tree {tree_def} != {reference_name} tree {reference_def}")
+  raise ValueError(f"{name} do not match {reference_name}: " + "; ".join(details) + hint)
 
 
 def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,

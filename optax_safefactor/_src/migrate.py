@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import jax
@@ -28,31 +27,9 @@ def _placed_like(value: Any, target: jax.Array) -> jax.Array:
   return jax.device_put(value, target.sharding)
 
 
-def _check_params_match(params: Any, optax_stats: Any, what: str) -> None:
-  """``params`` must have the tree ``optax_stats`` (per-param optax statistics) was made for.
-
-  Without this a mismatch surfaces as jax's raw "pytree structure error" from deep
-  inside the conversion, naming neither the argument nor the param.
-  """
-  params_def, stats_def = jax.tree.structure(params), jax.tree.structure(optax_stats)
-  if params_def == stats_def:
-    return
-  param_paths = [checks.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  stat_paths = [checks.path_name(p)
-                for p, _ in jax.tree_util.tree_flatten_with_path(optax_stats)[0]]
-  detail = f"params tree {params_def} != optax_state's {what} tree {stats_def}"
-  for param_path, stat_path in itertools.zip_longest(param_paths, stat_paths):
-    if param_path == stat_path:
-      continue
-    if stat_path is not None and stat_path not in param_paths:
-      detail = f"first difference: {stat_path} is in optax_state's {what} but not in params"
-    elif param_path is not None:
-      detail = f"first difference: {param_path} is in params but not in optax_state's {what}"
-    break
-  raise ValueError(
-      f"params do not match the params optax_state was made for ({detail}); pass the "
-      "params the optax job was training when its state was saved (same leaves, same tree)"
-  )
+# What to do when params and the optax state differ: the tree the optax job trained on.
+_PARAMS_HINT = ("; pass the params the optax job was training when its state was saved "
+                "(same leaves, same tree)")
 
 
 def _convert_moment(path, target, optax_row, optax_col, optax_full, param):
@@ -125,10 +102,13 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
         "a target, e.g. target = jax.eval_shape(optax.adafactor(lr).init, params) "
         "(the optimizer the checkpoint was written with), then migrate the result"
     )
-  _check_params_match(params, factored_state.v_row, "second-moment statistics")
+  checks.check_same_structure(params, factored_state.v_row,
+                              "optax_state's second-moment statistics", name="params",
+                              hint=_PARAMS_HINT)
   ema_state = _find(optax_state, optax.EmaState)
   if ema_state is not None:
-    _check_params_match(params, ema_state.ema, "momentum")
+    checks.check_same_structure(params, ema_state.ema, "optax_state's momentum",
+                                name="params", hint=_PARAMS_HINT)
   target = optimizer.init(params)
   if not find_all(target, AdafactorState):
     # Returning ``target`` would silently throw the optax statistics away.
