@@ -340,7 +340,8 @@ def _millions(n: int) -> str:
   return f"{n / 1e6:.3g}M"
 
 
-def _range(row: dict, name: str, scale: float, unit: str, digits: int) -> str:
+def format_range(row: dict, name: str, scale: float, unit: str, digits: int) -> str:
+  """``min / median / max`` of a figure and its ``_min`` and ``_max``, scaled, with a unit."""
   low, mid, high = (scale * row[key] for key in (f"{name}_min", name, f"{name}_max"))
   return f"{low:.{digits}f} / {mid:.{digits}f} / {high:.{digits}f}{unit}"
 
@@ -358,10 +359,10 @@ def markdown_rows(rows: Sequence[dict]) -> str:
     lines.append(
         f"| {r['tree']} ({_millions(r['params'])}, {r['leaves']} leaves, "
         f"{r['factored_leaves']} factored) | {r['dtype']} "
-        f"| {r['config']} | {r['optimizer']} | {_range(r, 'step_ratio', 1, 'x', 2)} "
+        f"| {r['config']} | {r['optimizer']} | {format_range(r, 'step_ratio', 1, 'x', 2)} "
         f"| {r['compile_ratio']:.2f}x | {temp} | {r['state_bytes'] / r['state_minimum_bytes']:.2f} "
-        f"| {_range(r, 'roofline_fraction', 100, '%', 0)} "
-        f"| {_range(r, 'bandwidth_fraction', 100, '%', 0)} |")
+        f"| {format_range(r, 'roofline_fraction', 100, '%', 0)} "
+        f"| {format_range(r, 'bandwidth_fraction', 100, '%', 0)} |")
   return "\n".join(lines)
 
 

@@ -164,10 +164,6 @@ def memory_story(tree: str, scale: float) -> list[dict]:
   return rows
 
 
-def _range(row: dict, name: str) -> str:
-  return f"{row[f'{name}_min']:.2f} / {row[name]:.2f} / {row[f'{name}_max']:.2f}x"
-
-
 def cost_markdown(rows: Sequence[dict]) -> str:
   lines = ["| tree | config | mode | step (min / median / max) | step, median | temp bytes "
            "| compile | state bytes / param |",
@@ -177,7 +173,8 @@ def cost_markdown(rows: Sequence[dict]) -> str:
         f"{r['temp_bytes'] / 1e6:.1f} MB ({r.get('temp_ratio', float('nan')):.2f}x)")
     lines.append(
         f"| {r['tree']} ({r['params'] / 1e6:.3g}M, {r['leaves']} leaves) | {r['config']} "
-        f"| {r['mode']} | {_range(r, 'step_ratio')} | {r['step_s'] * 1e3:.1f} ms | {temp} "
+        f"| {r['mode']} | {bench.format_range(r, 'step_ratio', 1, 'x', 2)} "
+        f"| {r['step_s'] * 1e3:.1f} ms | {temp} "
         f"| {r['compile_s']:.1f} s | {r['state_bytes_per_param']:.3f} |")
   return "\n".join(lines)
 
