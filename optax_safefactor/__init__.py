@@ -4,20 +4,20 @@ from optax_safefactor._src.accumulate import AccumulationState as AccumulationSt
 from optax_safefactor._src.accumulate import accumulate_gradients as accumulate_gradients
 from optax_safefactor._src.alias import safefactor as safefactor
 from optax_safefactor._src.alias import scale_by_safe_factored_rms as scale_by_safe_factored_rms
-from optax_safefactor._src.guard import NonFiniteStepsError as NonFiniteStepsError
-from optax_safefactor._src.guard import SkipNonfiniteState as SkipNonfiniteState
-from optax_safefactor._src.guard import check_nonfinite_steps as check_nonfinite_steps
-from optax_safefactor._src.guard import nonfinite_report as nonfinite_report
-from optax_safefactor._src.guard import nonfinite_summary as nonfinite_summary
+from optax_safefactor._src.counters import SkipNonfiniteState as SkipNonfiniteState
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
-from optax_safefactor._src.guard import skipped_steps as skipped_steps
 from optax_safefactor._src.kernel import FactoredMoment as FactoredMoment
 from optax_safefactor._src.kernel import FullMoment as FullMoment
 from optax_safefactor._src.migrate import migrate_from_optax as migrate_from_optax
+from optax_safefactor._src.param_rounding import with_param_rounding as with_param_rounding
 from optax_safefactor._src.placement import state_partition_specs as state_partition_specs
 from optax_safefactor._src.plan import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
 from optax_safefactor._src.plan import logical_factor_rules as logical_factor_rules
-from optax_safefactor._src.rounding import with_param_rounding as with_param_rounding
+from optax_safefactor._src.reports import NonFiniteStepsError as NonFiniteStepsError
+from optax_safefactor._src.reports import check_nonfinite_steps as check_nonfinite_steps
+from optax_safefactor._src.reports import nonfinite_report as nonfinite_report
+from optax_safefactor._src.reports import nonfinite_summary as nonfinite_summary
+from optax_safefactor._src.reports import skipped_steps as skipped_steps
 from optax_safefactor._src.transform import AdafactorState as AdafactorState
 
 __version__ = "0.2.0"

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from optax_safefactor._src import rounding
+from optax_safefactor._src import bit_streams
 from tests.helpers import mean_of_last_losses, tanh_mlp_regression
 
 MODES = ("nearest", "stochastic", "kahan")
@@ -41,14 +41,14 @@ def _tree(seed, dtype=jnp.bfloat16, scale=1.0, shapes=None):
 def _random_grads(like, step, mean=0.02, scale=0.1):
   """Gradients for ``step`` shaped like ``like``: a small mean (so params drift) plus noise.
 
-  The noise is uniform with unit variance, from the integer hash of ``rounding.py`` under a
+  The noise is uniform with unit variance, from the integer hash of ``bit_streams.py`` under a
   seed and stream of its own (independent of the rounding's bits): it compiles to a few
   integer operations, where ``jax.random`` adds about half to the compile time of a run.
   """
   leaves, treedef = jax.tree.flatten(like)
   noise = []
   for index, x in enumerate(leaves):
-    bits = rounding.random_bits(0x7E57, step, index, x.shape, 99)
+    bits = bit_streams.random_bits(0x7E57, step, index, x.shape, 99)
     uniform = (bits >> 8).astype(jnp.float32) * 2.0**-24 - 0.5
     noise.append((mean + scale * 12.0**0.5 * uniform).astype(x.dtype))
   return jax.tree.unflatten(treedef, noise)
@@ -108,9 +108,15 @@ def _ulp(x, dtype=jnp.bfloat16) -> np.ndarray:
 
 
 def test_a_bad_mode_is_a_value_error_listing_the_three():
+  # One check gives both entry points the same words (0.2 worded them two ways).
   for bad in ("round", "Stochastic", "", None):
-    with pytest.raises(ValueError, match="'nearest', 'stochastic', 'kahan'"):
+    with pytest.raises(ValueError) as from_safefactor:
       osf.safefactor(1e-3, param_rounding=bad)
+    with pytest.raises(ValueError) as from_wrapper:
+      osf.with_param_rounding(optax.sgd(1e-3), mode=bad)
+    for raised, name in ((from_safefactor, "param_rounding"), (from_wrapper, "mode")):
+      assert str(raised.value) == (
+          f"{name} must be one of 'nearest', 'stochastic' or 'kahan', got {bad!r}")
 
 
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
@@ -222,7 +228,7 @@ def _stochastic_target(exact: np.ndarray, bits: np.ndarray, dtype) -> np.ndarray
   return np.where(exact < 0, -rounded, rounded).astype(np.float16)
 
 
-_param_bits = jax.jit(rounding.random_bits, static_argnums=(0, 2, 3, 4))
+_param_bits = jax.jit(bit_streams.random_bits, static_argnums=(0, 2, 3, 4))
 LANDING_SETTINGS = dict(momentum=0.9, weight_decay_rate=1e-3, min_dim_size_to_factor=32)
 
 
@@ -263,8 +269,8 @@ def test_apply_updates_lands_on_the_target(mode):
       p = np.asarray(param.astype(jnp.float32))
       u = np.asarray(exact[name])
       if mode == "stochastic":
-        bits = np.asarray(_param_bits(3, step, rounding.path_hash(f"['{name}']"),
-                                      param.shape, rounding.STREAM_PARAMS))
+        bits = np.asarray(_param_bits(3, step, bit_streams.path_hash(f"['{name}']"),
+                                      param.shape, bit_streams.STREAM_PARAMS))
         total = p + u
         target = _stochastic_target(total, bits, dtype)
       else:
@@ -372,21 +378,21 @@ def test_many_small_updates_on_one_value():
 @pytest.mark.parametrize("seed", [0, 5, -5, 2**31 - 1, -(2**31)])
 def test_a_seed_array_keys_the_bits_of_the_same_int(seed):
   # optax.inject_hyperparams hands rounding_seed to the step as an int32 array.
-  args = (3, rounding.path_hash("['w']"), rounding.STREAM_PARAMS)
-  want = rounding.stream_key(seed, *args)
-  assert int(rounding.stream_key(jnp.asarray(seed, jnp.int32), *args)) == int(want)
-  assert int(jax.jit(rounding.stream_key, static_argnums=(2, 3))(
+  args = (3, bit_streams.path_hash("['w']"), bit_streams.STREAM_PARAMS)
+  want = bit_streams.stream_key(seed, *args)
+  assert int(bit_streams.stream_key(jnp.asarray(seed, jnp.int32), *args)) == int(want)
+  assert int(jax.jit(bit_streams.stream_key, static_argnums=(2, 3))(
       jnp.asarray(seed, jnp.int32), *args)) == int(want)
 
 
 @pytest.mark.parametrize("seed", [2**40 + 7, -(2**40) - 7, -1])
 def test_a_64_bit_seed_array_keys_the_bits_of_the_same_int(x64, seed):
-  args = (3, rounding.path_hash("['w']"), rounding.STREAM_PARAMS)
-  assert int(rounding.stream_key(jnp.asarray(seed, jnp.int64), *args)) == int(
-      rounding.stream_key(seed, *args))
+  args = (3, bit_streams.path_hash("['w']"), bit_streams.STREAM_PARAMS)
+  assert int(bit_streams.stream_key(jnp.asarray(seed, jnp.int64), *args)) == int(
+      bit_streams.stream_key(seed, *args))
   # Seeds that differ only above the low word draw different bits.
-  assert int(rounding.stream_key(jnp.asarray(seed, jnp.int64), *args)) != int(
-      rounding.stream_key(seed & (2**32 - 1), *args))
+  assert int(bit_streams.stream_key(jnp.asarray(seed, jnp.int64), *args)) != int(
+      bit_streams.stream_key(seed & (2**32 - 1), *args))
 
 
 def test_an_injected_seed_draws_the_bits_of_the_static_seed():

@@ -1,7 +1,7 @@
 """Write-back of low-precision params: stochastic rounding, Kahan compensation, landing.
 
 Cost, measured with the script below on a 50M-element bfloat16 tree (see the
-module docstring of ``optax_safefactor/_src/rounding.py`` for the formulas)::
+module docstring of ``optax_safefactor/_src/write_back.py`` for the formulas)::
 
   python -c "import tests.test_rounding as t; t.measure_write_back()"
 """
@@ -23,27 +23,27 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from optax_safefactor._src import rounding
-from optax_safefactor._src.rounding import (
+from optax_safefactor._src import bit_streams, rounding, write_back
+from optax_safefactor._src.bit_streams import (
   STREAM_MOMENTUM,
   STREAM_PARAMS,
   STREAM_STATISTICS,
-  ParamRoundingState,
-  check_rounding_mode,
   flat_index_words,
   index_bits,
+  path_hash,
+  random_bits,
+  stream_key,
+)
+from optax_safefactor._src.param_rounding import ParamRoundingState, with_param_rounding
+from optax_safefactor._src.rounding import needs_rounding, round_to_nearest, stochastic_round
+from optax_safefactor._src.write_back import (
+  Rounding,
+  check_rounding_mode,
   kahan_write_back,
   landed,
   landing_update,
-  needs_rounding,
-  path_hash,
-  random_bits,
-  round_to_nearest,
-  stochastic_round,
   stochastic_write_back,
   store,
-  stream_key,
-  with_param_rounding,
 )
 from tests.helpers import mean_of_last_losses, tanh_mlp_regression
 
@@ -70,7 +70,8 @@ def _bits_of(x) -> np.ndarray:
 
 
 def test_modes_are_checked():
-  assert [check_rounding_mode(m) for m in rounding.ROUNDING_MODES] == list(rounding.ROUNDING_MODES)
+  modes = write_back.ROUNDING_MODES
+  assert [check_rounding_mode(m) for m in modes] == list(modes)
   for bad in ("Nearest", "sr", None, 1):
     with pytest.raises(ValueError, match="'nearest', 'stochastic' or 'kahan'"):
       check_rounding_mode(bad)
@@ -143,7 +144,7 @@ def test_wide_product_is_exact():
   rng = np.random.default_rng(1)
   values = rng.integers(0, 2**32, 1000, dtype=np.uint64)
   for constant in (1, 7, 2**32 - 1, 2**32 + 7, 3 * 2**40 + 12345, 2**64 - 1):
-    lo, hi = rounding._mul_words(jnp.asarray(values.astype(np.uint32)), constant)
+    lo, hi = bit_streams._mul_words(jnp.asarray(values.astype(np.uint32)), constant)
     got = [int(h) * 2**32 + int(w) for h, w in zip(np.asarray(hi), np.asarray(lo), strict=True)]
     assert got == [int(v) * constant % 2**64 for v in values]
 
@@ -297,13 +298,20 @@ def test_bfloat16_subnormal_targets_are_flushed_inside_jit():
 
 def test_store_rounds_state_only_when_asked():
   x = jnp.full((1 << 16,), 1.0 + 2.0**-10, jnp.float32)  # an eighth of a bfloat16 ulp
-  bits = _every_top_half()
-  np.testing.assert_array_equal(_f64(store(x, jnp.bfloat16)), 1.0)
-  np.testing.assert_array_equal(_f64(store(x, jnp.bfloat16, "kahan", bits)), 1.0)
-  np.testing.assert_equal(np.mean(_f64(store(x, jnp.bfloat16, "stochastic", bits))), 1.0 + 2.0**-10)
-  assert store(x, jnp.float32, "stochastic", bits) is x
-  with pytest.raises(ValueError, match="bits"):
-    store(x, jnp.bfloat16, "stochastic")
+  stochastic = Rounding(True, 0, jnp.int32(0), 0)
+  kahan = Rounding(False, 0, jnp.int32(0), 0)
+
+  def stored(dtype, how, values=(x,), streams=(STREAM_MOMENTUM,)):
+    return store(values, dtype, how, streams)
+
+  np.testing.assert_array_equal(_f64(stored(jnp.bfloat16, None)[0]), 1.0)
+  np.testing.assert_array_equal(_f64(stored(jnp.bfloat16, kahan)[0]), 1.0)
+  mean = np.mean(_f64(stored(jnp.bfloat16, stochastic)[0]))
+  assert abs(mean - (1.0 + 2.0**-10)) < 2.0**-14  # unbiased, within noise
+  assert stored(jnp.float32, stochastic)[0] is x
+  # Two arrays stored together draw from their own streams: independent bits.
+  rows, cols = stored(jnp.bfloat16, stochastic, (x, x), (STREAM_STATISTICS, STREAM_MOMENTUM))
+  assert 0.2 < np.mean(_f64(rows) != _f64(cols)) < 0.3  # 2 p (1 - p), p = 1/8
 
 
 # --- landing ---------------------------------------------------------------------------
@@ -527,7 +535,7 @@ def _assert_bitwise_equal(a, b):
 
 def test_state_and_structure():
   params = _tree(0)
-  for mode in rounding.ROUNDING_MODES:
+  for mode in write_back.ROUNDING_MODES:
     state = with_param_rounding(optax.adam(1e-3), mode).init(params)
     assert isinstance(state, ParamRoundingState)
     assert state.count.dtype == jnp.int32 and int(state.count) == 0
@@ -565,7 +573,7 @@ def test_params_are_required_except_for_nearest():
   _assert_bitwise_equal(updates, want)
 
 
-@pytest.mark.parametrize("mode", rounding.ROUNDING_MODES)
+@pytest.mark.parametrize("mode", write_back.ROUNDING_MODES)
 def test_float32_params_are_untouched(mode):
   params, grads = _tree(0, jnp.float32), [_tree(s, jnp.float32) for s in (1, 2, 3)]
   inner = optax.adamw(1e-2, weight_decay=1e-2)
@@ -694,7 +702,7 @@ def _mlp_loss(dtype, mode, learning_rate=1e-3, steps=300):
 
 def test_bfloat16_training_matches_float32_params():
   reference = _mlp_loss(jnp.float32, None)
-  losses = {mode: _mlp_loss(jnp.bfloat16, mode) for mode in rounding.ROUNDING_MODES}
+  losses = {mode: _mlp_loss(jnp.bfloat16, mode) for mode in write_back.ROUNDING_MODES}
   assert losses["nearest"] > 1.8 * reference, (reference, losses)  # the updates vanish
   for mode in ("stochastic", "kahan"):
     assert abs(losses[mode] / reference - 1) < 0.05, (mode, reference, losses)
@@ -714,7 +722,7 @@ def measure_write_back(rounds: int = 9, shapes=None) -> dict[str, float]:
   rng = np.random.default_rng(0)
   grads = {k: jnp.asarray(rng.normal(size=s), jnp.bfloat16) for k, s in shapes.items()}
   steps, carry, times = {}, {}, {}
-  for mode in rounding.ROUNDING_MODES:
+  for mode in write_back.ROUNDING_MODES:
     tx = with_param_rounding(optax.sgd(1e-3), mode)
 
     def train_step(params, state, grads, tx=tx):

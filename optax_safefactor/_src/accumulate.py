@@ -4,7 +4,7 @@
 NaN, so one bad micro-batch poisons every later group. Here a micro-batch is added
 only when the sum stays finite, a finished group's sum is set aside by a select, never
 by a product, and the skip is counted by the guard's own counters
-(``guard.count_call``), so that :func:`skipped_steps` and the reports see it.
+(``counters.count_call``), so that :func:`skipped_steps` and the reports see it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, guard, numerics, placement, xla_hints
-from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
+from optax_safefactor._src import checks, counters, numerics, placement, xla_hints
 
 EveryK = int | Callable[[jax.Array], Any]
 
@@ -44,7 +43,7 @@ class AccumulationState(NamedTuple):
   accumulator: Any
   accumulated: jax.Array
   applied_steps: jax.Array
-  micro_batches: guard.MicroBatchCounters
+  micro_batches: counters.MicroBatchCounters
 
 
 def _group_size(every_k: EveryK, applied_steps: jax.Array) -> jax.Array:
@@ -54,21 +53,8 @@ def _group_size(every_k: EveryK, applied_steps: jax.Array) -> jax.Array:
 
 
 def _accumulator_like(param: Any) -> Any:
-  value = placement.unbox(param)
-  return placement.state_like(param, value.shape, 0, numerics.compute_dtype(value.dtype))
-
-
-def _finite_sum_check(x: jax.Array) -> jax.Array:
-  """Scalar bool: every element of ``x`` is finite, as one fused float reduction.
-
-  ``sum(x - x)`` is 0 when every element is finite and NaN otherwise (``x - x`` is NaN
-  for NaN and Inf, and a sum of zeros cannot overflow). XLA fuses it into the pass that
-  computes ``x``, where ``all(isfinite(x))`` writes a full-size boolean temporary
-  (a quarter of a float32 parameter) on the CPU backend.
-
-  Pinned by ``tests/test_accumulate.py::test_temporary_bytes_are_at_most_multi_steps``.
-  """
-  return jnp.isfinite(jnp.sum(xla_hints.nan_unless_finite(x)))
+  leaf = placement.leaf_placement(param)
+  return leaf.full(leaf.value.shape, 0, numerics.compute_dtype(leaf.value.dtype))
 
 
 def _mean(summed: jax.Array, grad: jax.Array, count: jax.Array) -> jax.Array:
@@ -83,101 +69,6 @@ def _mean(summed: jax.Array, grad: jax.Array, count: jax.Array) -> jax.Array:
   return (summed * reciprocal).astype(grad.dtype)
 
 
-def _accumulate(
-    inner: optax.GradientTransformation, every_k: EveryK, gate: str
-) -> optax.GradientTransformationExtraArgs:
-  """:func:`accumulate_gradients` with a choice of how ``inner`` is kept from stepping.
-
-  ``gate="cond"`` runs ``inner.update`` only on the micro-batch that completes a group,
-  under ``lax.cond``; ``gate="select"`` runs it on every micro-batch and selects its
-  outputs, as ``optax.MultiSteps`` does. Both give the same results;
-  ``optax_safefactor.bench_accumulate`` measures the two.
-  """
-  checks.check_transformation(inner, "accumulate_gradients")
-  if gate not in ("cond", "select"):
-    raise ValueError(f"gate must be 'cond' or 'select', got {gate!r}")
-  positive_int = (isinstance(every_k, (int, np.integer)) and not isinstance(every_k, bool)
-                  and every_k >= 1)
-  if not (callable(every_k) or positive_int):
-    raise ValueError(f"every_k must be a positive int or a schedule, got {every_k!r}")
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params):
-    checks.check_init_params(params)
-    return AccumulationState(
-        inner_state=inner.init(params),
-        accumulator=jax.tree.map(_accumulator_like, params, is_leaf=placement.is_box),
-        accumulated=jnp.zeros([], jnp.int32),
-        applied_steps=jnp.zeros([], jnp.int32),
-        micro_batches=guard.init_micro_batch_counters(params),
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    checks.check_state_type(state, AccumulationState, updates, "accumulate_gradients")
-    jax.tree_util.tree_map_with_path(
-        lambda path, grad: checks.check_param_leaf(path, grad, "grad"), updates)
-    checks.check_same_structure(updates, state.accumulator, "the accumulator")
-    # The accumulator has its param's shape: a grad of another shape would broadcast
-    # into it, or fail there without a path. Checked even when params are not given.
-    jax.tree_util.tree_map_with_path(checks.check_grad_shape, updates, state.accumulator)
-    if params is not None:
-      # Any dtype: grads may be wider than their params (the inner transformation decides).
-      checks.check_update_inputs(updates, params, any_dtype=True)
-    grads = updates
-    count = state.accumulated + 1
-    starts_group = state.accumulated == 0
-
-    def add(acc, grad):
-      # A new group ignores the last group's sum left in the accumulator.
-      base = jnp.where(starts_group, jnp.zeros((), acc.dtype), acc)
-      return base + grad.astype(acc.dtype)
-
-    # The verdict: a NaN or Inf gradient, or a finite one that overflows the sum, makes
-    # the sum non-finite. One flag for every leaf (and, on a mesh, every device).
-    leaf_finite = jax.tree.map(lambda acc, grad: _finite_sum_check(add(acc, grad)),
-                               state.accumulator, grads)
-    finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite))
-    emit = finite & (count >= _group_size(every_k, state.applied_steps))
-    # A select, never ``(1 - emit) * acc``: a non-finite sum is never written. The new
-    # accumulator is written in place of the old one and is what the step reads, so
-    # nothing overwrites it afterwards (which would need a copy).
-    accumulator = jax.tree.map(
-        lambda acc, grad: jnp.where(finite, add(acc, grad), acc), state.accumulator, grads)
-
-    def step_inner(accumulator, inner_state):
-      mean = jax.tree.map(partial(_mean, count=count), accumulator, grads)
-      new_updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
-      # The held state is the old one: keep each leaf's dtype so both agree.
-      new_inner = jax.tree.map(lambda new, old: jnp.asarray(new, jnp.asarray(old).dtype),
-                               new_inner, inner_state)
-      return new_updates, new_inner
-
-    if gate == "cond":
-      update_shapes = jax.eval_shape(step_inner, accumulator, state.inner_state)[0]
-
-      def hold_inner(accumulator, inner_state):
-        del accumulator
-        # zeros_like of the shapes keeps an explicit mesh's sharding in the type.
-        return jax.tree.map(jnp.zeros_like, update_shapes), inner_state
-
-      new_updates, new_inner = jax.lax.cond(emit, step_inner, hold_inner, accumulator,
-                                            state.inner_state)
-    else:
-      new_updates, new_inner = step_inner(accumulator, state.inner_state)
-      new_updates = jax.tree.map(partial(zero_if_skipped, emit), new_updates)
-      new_inner = jax.tree.map(partial(keep_unless_skipped, emit), new_inner,
-                               state.inner_state)
-
-    return new_updates, AccumulationState(
-        inner_state=new_inner,
-        accumulator=accumulator,
-        accumulated=jnp.where(emit, 0, jnp.where(finite, count, state.accumulated)),
-        applied_steps=jnp.where(emit, optax.safe_increment(state.applied_steps),
-                                state.applied_steps),
-        micro_batches=guard.count_call(state.micro_batches, leaf_finite, finite),
-    )
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def accumulate_gradients(
@@ -245,4 +136,83 @@ def accumulate_gradients(
     ValueError: when ``every_k`` is neither a positive int nor a schedule; in
       ``update``, when a grad's shape or the grads' structure differs from the params'.
   """
-  return _accumulate(inner, every_k, "cond")
+  checks.check_transformation(inner, "accumulate_gradients")
+  positive_int = (isinstance(every_k, (int, np.integer)) and not isinstance(every_k, bool)
+                  and every_k >= 1)
+  if not (callable(every_k) or positive_int):
+    raise ValueError(f"every_k must be a positive int or a schedule, got {every_k!r}")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    checks.check_init_params(params)
+    return AccumulationState(
+        inner_state=inner.init(params),
+        accumulator=jax.tree.map(_accumulator_like, params, is_leaf=placement.is_box),
+        accumulated=jnp.zeros([], jnp.int32),
+        applied_steps=jnp.zeros([], jnp.int32),
+        micro_batches=counters.init_micro_batch_counters(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    checks.check_state_type(state, AccumulationState, updates, "accumulate_gradients")
+    jax.tree_util.tree_map_with_path(
+        lambda path, grad: checks.check_param_leaf(path, grad, "grad"), updates)
+    checks.check_same_structure(updates, state.accumulator, "the accumulator")
+    # The accumulator has its param's shape: a grad of another shape would broadcast
+    # into it, or fail there without a path. Checked even when params are not given.
+    jax.tree_util.tree_map_with_path(checks.check_grad_shape, updates, state.accumulator)
+    if params is not None:
+      # Any dtype: grads may be wider than their params (the inner transformation decides).
+      checks.check_update_inputs(updates, params, any_dtype=True)
+    grads = updates
+    count = state.accumulated + 1
+    starts_group = state.accumulated == 0
+
+    def add(acc, grad):
+      # A new group ignores the last group's sum left in the accumulator.
+      base = jnp.where(starts_group, jnp.zeros((), acc.dtype), acc)
+      return base + grad.astype(acc.dtype)
+
+    # The verdict: a NaN or Inf gradient, or a finite one that overflows the sum, makes
+    # the sum non-finite. One flag for every leaf (and, on a mesh, every device).
+    leaf_finite = jax.tree.map(lambda acc, grad: xla_hints.finite_by_sum(add(acc, grad)),
+                               state.accumulator, grads)
+    finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite))
+    emit = finite & (count >= _group_size(every_k, state.applied_steps))
+    # A select, never ``(1 - emit) * acc``: a non-finite sum is never written. The new
+    # accumulator is written in place of the old one and is what the step reads, so
+    # nothing overwrites it afterwards (which would need a copy).
+    accumulator = jax.tree.map(
+        lambda acc, grad: jnp.where(finite, add(acc, grad), acc), state.accumulator, grads)
+
+    def step_inner(accumulator, inner_state):
+      mean = jax.tree.map(partial(_mean, count=count), accumulator, grads)
+      new_updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
+      # The held state is the old one: keep each leaf's dtype so both agree.
+      new_inner = jax.tree.map(lambda new, old: jnp.asarray(new, jnp.asarray(old).dtype),
+                               new_inner, inner_state)
+      return new_updates, new_inner
+
+    # inner steps only on the micro-batch that completes a group, under lax.cond: the
+    # other micro-batches pay for the sum alone (MultiSteps computes inner's step on
+    # every micro-batch and selects it away).
+    update_shapes = jax.eval_shape(step_inner, accumulator, state.inner_state)[0]
+
+    def hold_inner(accumulator, inner_state):
+      del accumulator
+      # zeros_like of the shapes keeps an explicit mesh's sharding in the type.
+      return jax.tree.map(jnp.zeros_like, update_shapes), inner_state
+
+    new_updates, new_inner = jax.lax.cond(emit, step_inner, hold_inner, accumulator,
+                                          state.inner_state)
+
+    return new_updates, AccumulationState(
+        inner_state=new_inner,
+        accumulator=accumulator,
+        accumulated=jnp.where(emit, 0, jnp.where(finite, count, state.accumulated)),
+        applied_steps=jnp.where(emit, optax.safe_increment(state.applied_steps),
+                                state.applied_steps),
+        micro_batches=counters.count_call(state.micro_batches, leaf_finite, finite),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -140,18 +140,8 @@ def safefactor(
 
     Zhai et al, `Scaling Vision Transformers <https://arxiv.org/abs/2106.04560>`_, 2021
   """
-  return transform.adafactor(hyperparams.validate(Hyperparams(
-      learning_rate=learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
-      decay_rate=decay_rate, decay_offset=decay_offset,
-      multiply_by_parameter_scale=multiply_by_parameter_scale,
-      clipping_threshold=clipping_threshold, momentum=momentum, dtype_momentum=dtype_momentum,
-      weight_decay_rate=weight_decay_rate, eps=eps, factored=factored,
-      weight_decay_mask=weight_decay_mask, state_dtype=state_dtype, beta2_cap=beta2_cap,
-      min_parameter_scale=min_parameter_scale, max_parameter_scale=max_parameter_scale,
-      factor_rules=factor_rules, param_rounding=param_rounding, rounding_seed=rounding_seed,
-      skip_nonfinite_steps=skip_nonfinite_steps, max_consecutive_skips=max_consecutive_skips,
-      checked=checked,
-  )))
+  # Every argument is a Hyperparams field of the same name: a new option is a new field.
+  return transform.adafactor(hyperparams.validate(Hyperparams.of(locals())))
 
 
 def scale_by_safe_factored_rms(
@@ -224,10 +214,9 @@ def scale_by_safe_factored_rms(
     Shazeer et al, `Adafactor: Adaptive Learning Rates with Sublinear Memory
     Cost <https://arxiv.org/abs/1804.04235>`_, 2018
   """
-  return transform.adafactor(hyperparams.validate(Hyperparams(
-      factored=factored, decay_rate=decay_rate, decay_offset=step_offset,
-      min_dim_size_to_factor=min_dim_size_to_factor, eps=epsilon,
-      decay_rate_fn=decay_rate_fn, state_dtype=state_dtype, beta2_cap=beta2_cap,
-      factor_rules=factor_rules, skip_nonfinite_steps=skip_nonfinite_steps,
-      multiply_by_parameter_scale=False, clipping_threshold=None, negate_updates=False,
-  ), names={"eps": "epsilon", "decay_offset": "step_offset"}))
+  renamed = {"epsilon": "eps", "step_offset": "decay_offset"}
+  return transform.adafactor(hyperparams.validate(
+      Hyperparams.of(locals(), renamed, multiply_by_parameter_scale=False,
+                     clipping_threshold=None, negate_updates=False),
+      names={field: argument for argument, field in renamed.items()},
+  ))

@@ -137,27 +137,24 @@ def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = Fal
         grads, params)
 
 
-def check_state_fits_plans(grads: Any, second_moment: Any, plans: Any) -> None:
-  """Each leaf's statistics must have the shapes its plan gives (keepdims).
+def check_moment_fits_plan(path: KeyPath, grad: Any, moment: Any, plan: Any) -> None:
+  """A leaf's statistics must have the shapes its plan gives (keepdims).
 
   The state's shapes record the plan ``init`` used; a mismatch means the state was
   made for other params or with other factoring settings.
   """
-  def check_leaf(path, grad, moment, plan):
-    if plan.factored:
-      expected = {"v_row": plan.row_stat_shape(grad.shape),
-                  "v_col": plan.col_stat_shape(grad.shape)}
-    else:
-      expected = {"v": tuple(grad.shape)}
-    found = {name: tuple(stat.shape) for name, stat in moment._asdict().items()}
-    if found != expected:
-      raise ValueError(
-          f"{path_name(path)}: optimizer state {found} does not fit grad shape "
-          f"{tuple(grad.shape)} (expected {expected}); was the state made for other "
-          "parameters, or with other factored / min_dim_size_to_factor / factor_rules?"
-      )
-
-  jax.tree_util.tree_map_with_path(check_leaf, grads, second_moment, plans)
+  if plan.factored:
+    expected = {"v_row": plan.row_stat_shape(grad.shape),
+                "v_col": plan.col_stat_shape(grad.shape)}
+  else:
+    expected = {"v": tuple(grad.shape)}
+  found = {name: tuple(stat.shape) for name, stat in moment._asdict().items()}
+  if found != expected:
+    raise ValueError(
+        f"{path_name(path)}: optimizer state {found} does not fit grad shape "
+        f"{tuple(grad.shape)} (expected {expected}); was the state made for other "
+        "parameters, or with other factored / min_dim_size_to_factor / factor_rules?"
+    )
 
 
 def check_grad_shape(path: KeyPath, grad: Any, param: Any) -> None:
@@ -250,3 +247,14 @@ def check_positive_int(value: Any, name: str, *, none_ok: bool = False, meaning:
   if not integral or value < 1:
     allowed = "a positive int or None" if none_ok else "a positive int"
     raise ValueError(f"{name} must be {allowed}, got {value!r}{meaning}")
+
+
+def check_update_against_state(grads: Any, params: Any | None, moments: Any,
+                               moment_types: tuple[type, ...]) -> None:
+  """:func:`check_update_inputs`, then the grads against the state's per-leaf moments
+  (one node of ``moment_types`` per grad leaf)."""
+  check_update_inputs(grads, params)
+  check_same_structure(
+      grads, jax.tree.map(lambda _: 0, moments, is_leaf=lambda x: isinstance(x, moment_types)),
+      "the optimizer state",
+  )

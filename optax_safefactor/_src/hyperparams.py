@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks
+from optax_safefactor._src import checks, write_back
+from optax_safefactor._src.bit_streams import check_seed
 from optax_safefactor._src.plan import FactorRulesFn
-from optax_safefactor._src.rounding import ROUNDING_MODES, check_seed
 
 DecayRateFn = Callable[[jax.Array, jax.typing.ArrayLike], jax.Array]
 
@@ -60,8 +60,21 @@ class Hyperparams(NamedTuple):
     return (
         bool(self.multiply_by_parameter_scale)
         or self.weight_decay_rate is not None
-        or self.param_rounding != "nearest"
+        or write_back.rounds_onto_params(self.param_rounding)
     )
+
+  @classmethod
+  def of(cls, arguments: dict[str, Any], renamed: dict[str, str] | None = None,
+         **fixed: Any) -> Hyperparams:
+    """The fields found in ``arguments`` (a factory's ``locals()``), under their field
+    names (``renamed`` maps an argument to its field), with ``fixed`` on top.
+
+    >>> Hyperparams.of({"epsilon": 0.5, "unrelated": 1}, {"epsilon": "eps"}).eps
+    0.5
+    """
+    renamed = renamed or {}
+    fields = {renamed.get(name, name): value for name, value in arguments.items()}
+    return cls(**{name: fields[name] for name in cls._fields if name in fields}, **fixed)
 
 
 # (field, requirement, predicate): each number that arrives concrete is checked once.
@@ -155,12 +168,9 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   _check_float_dtype("dtype_momentum", hyperparams.dtype_momentum)
   _check_float_dtype("state_dtype", hyperparams.state_dtype)
   check_seed("rounding_seed", hyperparams.rounding_seed)
-  if hyperparams.param_rounding not in ROUNDING_MODES:
-    raise ValueError(
-        f"param_rounding must be one of {', '.join(map(repr, ROUNDING_MODES))}, "
-        f"got {hyperparams.param_rounding!r}"
-    )
-  if hyperparams.param_rounding != "nearest" and hyperparams.learning_rate is None:
+  write_back.check_rounding_mode(hyperparams.param_rounding)
+  rounds = write_back.rounds_onto_params(hyperparams.param_rounding)
+  if rounds and hyperparams.learning_rate is None:
     raise ValueError(
         f"param_rounding={hyperparams.param_rounding!r} rounds the final update onto the "
         "params, so it needs a learning_rate (with learning_rate=None a later "
@@ -169,11 +179,6 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   checks.check_positive_int(hyperparams.max_consecutive_skips, "max_consecutive_skips",
                             none_ok=True)
   return hyperparams
-
-
-def value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
-  """A hyperparameter's value at ``count``: a schedule is called, a number is kept."""
-  return value(count) if callable(value) else value
 
 
 def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:

@@ -35,10 +35,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from optax_safefactor._src import numerics, placement, rounding, xla_hints
+from optax_safefactor._src import bit_streams, numerics, xla_hints
+from optax_safefactor._src.hyperparams import Hyperparams
+from optax_safefactor._src.placement import LeafPlacement
 from optax_safefactor._src.plan import FactorPlan
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
+from optax_safefactor._src.write_back import Rounding, store, write_back
 
 
 class FactoredMoment(NamedTuple):
@@ -66,61 +70,38 @@ class FullMoment(NamedTuple):
 Moment = FactoredMoment | FullMoment
 
 
+MOMENT_TYPES = (FactoredMoment, FullMoment)
+
+
 def is_moment(x: Any) -> bool:
-  return isinstance(x, (FactoredMoment, FullMoment))
+  return isinstance(x, MOMENT_TYPES)
 
 
-# Writing wide values into narrow arrays ----------------------------------------------
+# Squares -------------------------------------------------------------------------
 
 
-class Rounding(NamedTuple):
-  """How one leaf writes wide values into narrow params and state this step.
+def abs_sq(x: jax.Array) -> jax.Array:
+  """``|x|**2`` as a real array (complex numbers get real second moments)."""
+  if jnp.iscomplexobj(x):
+    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
+  return x * x
 
-  Attributes:
-    mode: ``"nearest"``, ``"stochastic"`` or ``"kahan"`` (see ``rounding.py``).
-    seed: the stochastic rounding's seed.
-    step: the applied-step count: a skipped step does not advance it, so it
-      consumes no bits.
-    path_hash: the leaf's stable path hash; with the element's global index and a
-      stream it picks each element's bits.
+
+def mean_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> jax.Array:
+  """Mean of ``|x|**2`` over every axis but ``keep_axes`` (keepdims when any are kept).
+
+  Returns a scalar when no axis is kept, and 0 rather than NaN for an empty array.
   """
+  if not keep_axes:
+    if x.size == 0:
+      return jnp.zeros((), numerics.real_dtype(x.dtype))
+    return jnp.mean(abs_sq(x))
+  axes = tuple([a for a in range(x.ndim) if a not in keep_axes])
+  if x.size == 0:
+    shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
+    return jnp.zeros(shape, numerics.real_dtype(x.dtype))
+  return jnp.mean(abs_sq(x), axes, keepdims=True)
 
-  mode: str
-  seed: int
-  step: jax.Array
-  path_hash: int
-
-  def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
-    return rounding.random_bits(self.seed, self.step, self.path_hash, shape, stream)
-
-
-def store(x: jax.Array, dtype: Any, how: Rounding | None, stream: int) -> jax.Array:
-  r"""``x`` written into state of ``dtype``: rounded to nearest, or stochastically
-  (:math:`\mathbb{E}[\mathrm{store}(x)] = x`) with ``"stochastic"`` rounding when ``dtype``
-  is narrower than ``x``, so that a bfloat16 moving average keeps moving."""
-  if how is None or how.mode != "stochastic" or not rounding.needs_rounding(dtype, x.dtype):
-    return x.astype(dtype)
-  return rounding.stochastic_round(x, dtype, how.bits(x.shape, stream))
-
-
-def write_back(
-    update: jax.Array, param: jax.Array | None, dtype: Any, how: Rounding | None,
-    compensation: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None]:
-  r"""The update :math:`\Delta` in ``dtype``, and the new Kahan compensation.
-
-  ``"nearest"`` (and every wide param): :math:`\Delta = \mathrm{cast}(u)`, finite
-  values clamped to the dtype's range. ``"stochastic"``: :math:`\Delta` lands the
-  param on :math:`\mathrm{round}_{\mathrm{stoch}}(p + u)`. ``"kahan"``: it lands on
-  :math:`\mathrm{round}(p + u + c)`, and :math:`c` keeps what that rounding lost.
-  """
-  if (how is None or how.mode == "nearest"
-      or not rounding.needs_rounding(param.dtype, update.dtype)):
-    return numerics.saturating_cast(update, dtype), compensation
-  if how.mode == "stochastic":
-    bits = how.bits(param.shape, rounding.STREAM_PARAMS)
-    return rounding.stochastic_write_back(param, update, bits), compensation
-  return rounding.kahan_write_back(param, update, compensation)
 
 
 # Schedules -------------------------------------------------------------------------
@@ -161,52 +142,48 @@ def second_moment_decay(
 # Second moment ---------------------------------------------------------------------
 
 
-def init_moment(param: Any, plan: FactorPlan, state_dtype: Any, eps: Any) -> Moment:
+def init_moment(leaf: LeafPlacement, plan: FactorPlan, state_dtype: Any, eps: Any) -> Moment:
   r"""Statistics for one leaf, filled with the floor :math:`\max(\epsilon, \text{tiny})`.
 
   Starting at the floor rather than at zero means no statistic is ever zero, even
-  for a leaf whose gradient is always zero. ``param`` may be a flax box; the
-  statistics are then boxed and placed like it, less the reduced axes.
+  for a leaf whose gradient is always zero. A boxed param's statistics are boxed and
+  placed like it, less the reduced axes.
   """
-  value = placement.unbox(param)
-  dtype = numerics.resolve_state_dtype(state_dtype, value.dtype)
+  shape = leaf.value.shape
+  dtype = numerics.resolve_state_dtype(state_dtype, leaf.value.dtype)
   floor = numerics.positive_floor(eps, dtype)
   if not plan.factored:
-    return FullMoment(placement.state_like(param, value.shape, floor, dtype))
-  return FactoredMoment(
-      placement.state_like(param, plan.row_stat_shape(value.shape), floor, dtype),
-      placement.state_like(param, plan.col_stat_shape(value.shape), floor, dtype),
-  )
+    return FullMoment(leaf.full(shape, floor, dtype))
+  return FactoredMoment(leaf.full(plan.row_stat_shape(shape), floor, dtype),
+                        leaf.full(plan.col_stat_shape(shape), floor, dtype))
 
 
-def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array, how: Rounding | None,
-           stream: int) -> jax.Array:
-  r""":math:`\beta\,\mathrm{old} + (1-\beta)\,\mathrm{new}`, stored in ``old``'s dtype."""
-  blended = beta2 * old.astype(new_mean.dtype) + (1 - beta2) * new_mean
-  return store(blended, old.dtype, how, stream)
+def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
+  r""":math:`\beta\,\mathrm{old} + (1-\beta)\,\mathrm{new}`, in the compute dtype."""
+  return beta2 * old.astype(new_mean.dtype) + (1 - beta2) * new_mean
 
 
 def update_second_moment(
     grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any,
-    how: Rounding | None = None,
+    compute_dtype: Any, how: Rounding | None = None,
 ) -> Moment:
   r"""The new statistics: :math:`r_t = \beta r + (1-\beta)\,\mathrm{mean}_C(|g|^2+\epsilon)`,
   :math:`c_t = \beta c + (1-\beta)\,\mathrm{mean}_R(|g|^2+\epsilon)` (keepdims), or
-  :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf."""
-  ct = numerics.compute_dtype(grad.dtype)
-  eps = jnp.asarray(eps, numerics.real_dtype(ct))
-  beta2 = beta2.astype(numerics.real_dtype(ct))
+  :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf; ``beta2`` is in
+  the real compute dtype."""
+  ct = compute_dtype
+  eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):
-    return FullMoment(_blend(moment.v, numerics.abs_sq(grad.astype(ct)) + eps, beta2, how,
-                             rounding.STREAM_STATISTICS))
+    blended = _blend(moment.v, abs_sq(grad.astype(ct)) + eps, beta2)
+    return FullMoment(*store((blended,), moment.v.dtype, how,
+                             (bit_streams.STREAM_STATISTICS,)))
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
-  row_mean = jnp.mean(numerics.abs_sq(grad_for_rows.astype(ct)), plan.col_axes,
-                      keepdims=True) + eps
-  col_mean = jnp.mean(numerics.abs_sq(grad_for_cols.astype(ct)), plan.row_axes,
-                      keepdims=True) + eps
-  return FactoredMoment(_blend(moment.v_row, row_mean, beta2, how, rounding.STREAM_STATISTICS),
-                        _blend(moment.v_col, col_mean, beta2, how,
-                               rounding.STREAM_COLUMN_STATISTICS))
+  row_mean = jnp.mean(abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
+  col_mean = jnp.mean(abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
+  blended = (_blend(moment.v_row, row_mean, beta2), _blend(moment.v_col, col_mean, beta2))
+  return FactoredMoment(*store(
+      blended, moment.v_row.dtype, how,
+      (bit_streams.STREAM_STATISTICS, bit_streams.STREAM_COLUMN_STATISTICS)))
 
 
 class ScaleFactors(NamedTuple):
@@ -228,21 +205,21 @@ class ScaleFactors(NamedTuple):
 
 
 def scale_factors(
-    moment: Moment, plan: FactorPlan, eps: Any, compute_dtype: Any, *, poison: bool
+    moment: Moment, plan: FactorPlan, floor: jax.Array, cap: jax.Array, *, poison: bool
 ) -> tuple[ScaleFactors, jax.Array]:
   r"""The factors of :math:`1/\sqrt{\hat v}`, :math:`\hat v = r\,c/\mathrm{mean}_R(r)`.
 
-  Every statistic is floored at :math:`\max(\epsilon, \text{tiny})` first, so no
-  rsqrt or division sees zero. The factors are computed from the stored statistics,
-  so this step uses exactly what the next one will see.
+  Every statistic is floored at ``floor`` (:math:`\max(\epsilon, \text{tiny})`, in the
+  real compute dtype) first, so no rsqrt or division sees zero; ``cap`` bounds the
+  factored product. The factors are computed from the stored statistics, so this step
+  uses exactly what the next one will see.
 
   Returns:
     ``(factors, finite)``: ``finite`` is a scalar bool, True when the statistics are
     finite; with ``poison`` it is always True and the factors carry NaN instead, for
     a reduction that the caller checks anyway.
   """
-  stat_dtype = numerics.real_dtype(compute_dtype)
-  floor = numerics.positive_floor(eps, stat_dtype)
+  stat_dtype = floor.dtype
   if isinstance(moment, FullMoment):
     stored = moment.v.astype(stat_dtype)
     factor = jax.lax.rsqrt(jnp.maximum(stored, floor))
@@ -253,12 +230,10 @@ def scale_factors(
   col = jnp.maximum(moment.v_col.astype(stat_dtype), floor)
   normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
   factors = (jnp.sqrt(normaliser / row), jax.lax.rsqrt(col))
-  cap = jax.lax.rsqrt(jnp.asarray(numerics.smallest_normal(stat_dtype), stat_dtype))
   if poison:
     # The normaliser sums every row statistic, so it is non-finite when one of them
     # is (all are non-negative: no cancellation); the columns poison their own factor.
-    nan_if_bad = (xla_hints.nan_unless_finite(normaliser)
-                  + xla_hints.nan_unless_finite(moment.v_col.astype(stat_dtype)))
+    nan_if_bad = xla_hints.nan_unless_finite(normaliser, moment.v_col.astype(stat_dtype))
     return ScaleFactors(factors, cap, nan_if_bad), jnp.array(True)
   finite = numerics.all_finite(moment.v_row) & numerics.all_finite(moment.v_col)
   return ScaleFactors(factors, cap, None), finite
@@ -285,12 +260,12 @@ def clipping_multiplier(mean_square: jax.Array, threshold: Any) -> jax.Array:
   return 1 / jnp.maximum(jnp.asarray(1, mean_square.dtype), jnp.sqrt(mean_square) / threshold)
 
 
-def param_rms(param: jax.Array, batch_axes: tuple[int, ...]) -> jax.Array:
+def param_rms(param: jax.Array, batch_axes: tuple[int, ...], compute_dtype: Any) -> jax.Array:
   r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in the compute dtype."""
-  ct = numerics.compute_dtype(param.dtype)
   # Read the param on its own, so the upcast fuses into this reduction and no
   # float32 copy of a narrow param is kept for later passes.
-  return jnp.sqrt(numerics.mean_abs_sq(xla_hints.fresh_read(param).astype(ct), batch_axes))
+  return jnp.sqrt(mean_abs_sq(xla_hints.fresh_read(param).astype(compute_dtype),
+                                       batch_axes))
 
 
 def parameter_scale(rms: jax.Array, min_scale: Any, max_scale: Any | None) -> jax.Array:
@@ -307,18 +282,17 @@ def parameter_scale(rms: jax.Array, min_scale: Any, max_scale: Any | None) -> ja
   return scale
 
 
-def momentum_blend(update: jax.Array, momentum: jax.Array, beta1: Any) -> jax.Array:
+def momentum_blend(update: jax.Array, momentum: jax.Array, beta1: jax.Array) -> jax.Array:
   r""":math:`m_t = \beta_1 m_{t-1} + (1-\beta_1)\,u`, in ``update``'s dtype."""
-  beta1 = jnp.asarray(beta1, numerics.real_dtype(update.dtype)).astype(update.dtype)
+  beta1 = beta1.astype(update.dtype)
   return (1 - beta1) * update + beta1 * momentum.astype(update.dtype)
 
 
 def decoupled_weight_decay(
-    update: jax.Array, param: jax.Array, rate: Any, mask: jax.Array | None
+    update: jax.Array, param: jax.Array, rate: jax.Array, mask: jax.Array | None
 ) -> jax.Array:
   r""":math:`u + \lambda p` (where ``mask`` is True, when one is given)."""
-  rate = jnp.asarray(rate, numerics.real_dtype(update.dtype)).astype(update.dtype)
-  decay = rate * param.astype(update.dtype)
+  decay = rate.astype(update.dtype) * param.astype(update.dtype)
   if mask is not None:
     decay = jnp.where(mask, decay, jnp.zeros((), update.dtype))
   return update + decay
@@ -327,24 +301,66 @@ def decoupled_weight_decay(
 # The two halves of a leaf's step -----------------------------------------------------
 
 
-class LeafSettings(NamedTuple):
-  """This step's values of the hyperparameters one leaf needs (scalars or ``None``).
+class StepValues(NamedTuple):
+  """This step's values of the scheduled hyperparameters, worked out once per step.
 
-  ``weight_decay_mask`` is ``None`` for "decay everywhere" or an array of bools; a
-  leaf that never decays gets ``weight_decay_rate=None``.
+  Attributes:
+    beta2: the second-moment decay, by real compute dtype (float32, float64).
+    learning_rate: this step's learning rate, or ``None`` when there is none.
+    weight_decay_rate: this step's weight-decay rate, or ``None`` when off.
   """
 
-  beta2: jax.Array
-  eps: Any
+  beta2: dict[np.dtype, jax.Array]
   learning_rate: Any | None
-  clipping_threshold: Any | None
-  min_parameter_scale: Any | None
-  max_parameter_scale: Any | None
-  momentum: Any | None
   weight_decay_rate: Any | None
-  weight_decay_mask: jax.Array | None
-  negate: bool
+
+
+def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
+  """A hyperparameter's value at ``count``: a schedule is called, a number is kept."""
+  return value(count) if callable(value) else value
+
+
+def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -> StepValues:
+  """This step's scheduled values, each schedule called once for the whole tree."""
+  beta2 = {
+      dtype: second_moment_decay(
+          count, dtype, decay_rate=hp.decay_rate, decay_offset=hp.decay_offset,
+          decay_rate_fn=hp.decay_rate_fn, beta2_cap=hp.beta2_cap,
+      )
+      for dtype in sorted(real_dtypes, key=str)
+  }
+  return StepValues(
+      beta2=beta2,
+      learning_rate=None if hp.learning_rate is None else _value_at(hp.learning_rate, count),
+      weight_decay_rate=(None if hp.weight_decay_rate is None
+                         else _value_at(hp.weight_decay_rate, count)),
+  )
+
+
+class Leaf(NamedTuple):
+  """What one leaf's step needs besides its arrays, worked out once per leaf per trace.
+
+  Attributes:
+    plan: which axes are rows, columns and batch.
+    compute_dtype: the dtype its arithmetic runs in (float32, float64, complex).
+    real_dtype: the real counterpart of ``compute_dtype``: its statistics' arithmetic.
+    floor, cap: the floor under its statistics and the cap on its factored scale, in
+      ``real_dtype`` (see :class:`numerics.LeafNumbers`).
+    decay_mask: whether weight decay applies: True, False or an array of bools.
+    rounding: how its wide values are written into narrow params and state, or ``None``
+      for round to nearest.
+  """
+
+  plan: FactorPlan
+  compute_dtype: np.dtype
+  real_dtype: np.dtype
+  floor: jax.Array
+  cap: jax.Array
+  decay_mask: Any
   rounding: Rounding | None
+
+  def decays(self, step: StepValues) -> bool:
+    return step.weight_decay_rate is not None and self.decay_mask is not False
 
 
 class LeafScaling(NamedTuple):
@@ -355,8 +371,8 @@ class LeafScaling(NamedTuple):
 
 
 def leaf_scaling(
-    grad: jax.Array, moment: Moment, param: jax.Array | None, plan: FactorPlan,
-    settings: LeafSettings,
+    hp: Hyperparams, step: StepValues, grad: jax.Array, leaf: Leaf, moment: Moment,
+    param: jax.Array | None,
 ) -> tuple[Moment, LeafScaling, jax.Array]:
   """First half: new statistics, the scaling of the update, and whether all was finite.
 
@@ -366,36 +382,38 @@ def leaf_scaling(
     scaled gradient is at most ``|grad| / sqrt(floor)``, and ``|grad|**2`` is part of
     the statistics.
   """
-  ct = numerics.compute_dtype(grad.dtype)
-  real_ct = numerics.real_dtype(ct)
-  clipping = settings.clipping_threshold is not None
-  new_moment = update_second_moment(grad, moment, plan, settings.beta2, settings.eps,
-                                    settings.rounding)
+  ct, real_ct, plan = leaf.compute_dtype, leaf.real_dtype, leaf.plan
+  clipping = hp.clipping_threshold is not None
+  new_moment = update_second_moment(grad, moment, plan, step.beta2[real_ct], hp.eps, ct,
+                                    leaf.rounding)
   # With clipping, the statistics' finiteness rides on the clipping reduction.
-  factors, finite = scale_factors(new_moment, plan, settings.eps, ct, poison=clipping)
+  factors, finite = scale_factors(new_moment, plan, leaf.floor, leaf.cap, poison=clipping)
   multiplier = None
+  # The reductions whose finiteness the skip also reads, checked together at the end.
+  checked = []
 
   def times(factor):
     return factor if multiplier is None else multiplier * factor
 
   if clipping:
     scaled = scale_by_factors(xla_hints.fresh_read(grad).astype(ct), factors)
-    mean_square = numerics.mean_abs_sq(scaled, plan.batch_axes)
-    finite &= numerics.all_finite(mean_square)
-    multiplier = times(clipping_multiplier(mean_square, settings.clipping_threshold))
-  if settings.learning_rate is not None:
-    learning_rate = jnp.asarray(settings.learning_rate, real_ct)
+    mean_square = mean_abs_sq(scaled, plan.batch_axes)
+    checked.append(mean_square)
+    multiplier = times(clipping_multiplier(mean_square, hp.clipping_threshold))
+  if step.learning_rate is not None:
+    learning_rate = jnp.asarray(step.learning_rate, real_ct)
     finite &= jnp.isfinite(learning_rate)
     multiplier = times(learning_rate)
-  if settings.min_parameter_scale is not None:
-    rms = param_rms(param, plan.batch_axes)
+  if hp.multiply_by_parameter_scale:
+    rms = param_rms(param, plan.batch_axes, ct)
     # Checked before the clamp: the flag then reads the reduction, not the select, and
     # XLA does not copy the clamp into the flag's kernel.
-    finite &= numerics.all_finite(rms)
-    multiplier = times(parameter_scale(rms, settings.min_parameter_scale,
-                                       settings.max_parameter_scale))
-  elif settings.weight_decay_rate is not None:
-    finite &= numerics.all_finite(param)
+    checked.append(rms)
+    multiplier = times(parameter_scale(rms, hp.min_parameter_scale, hp.max_parameter_scale))
+  elif leaf.decays(step):
+    checked.append(param)
+  if checked:
+    finite &= numerics.all_finite(*checked)
   return new_moment, LeafScaling(factors, multiplier), finite
 
 
@@ -408,9 +426,9 @@ def _gated(step_finite: jax.Array | None, scale: ScaleFactors) -> ScaleFactors:
 
 
 def leaf_update(
-    step_finite: jax.Array | None, grad: jax.Array, scaling: LeafScaling,
-    momentum: jax.Array | None, param: jax.Array | None, compensation: jax.Array | None,
-    settings: LeafSettings,
+    hp: Hyperparams, step: StepValues, step_finite: jax.Array | None, grad: jax.Array,
+    leaf: Leaf, scaling: LeafScaling, momentum: jax.Array | None,
+    param: jax.Array | None, compensation: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """Second half: the update, scaled again from the gradient, with the skip applied.
 
@@ -420,23 +438,25 @@ def leaf_update(
   Returns:
     ``(update, new_momentum, new_compensation)``; the update is in the gradient's dtype.
   """
-  ct = numerics.compute_dtype(grad.dtype)
+  ct = leaf.compute_dtype
   update = scale_by_factors(grad.astype(ct), _gated(step_finite, scaling.factors))
   if scaling.multiplier is not None:
     update = update * scaling.multiplier.astype(ct)
   new_momentum = None
   if momentum is not None:
-    blended = momentum_blend(update, momentum, settings.momentum)
-    stored = store(blended, momentum.dtype, settings.rounding, rounding.STREAM_MOMENTUM)
+    blended = momentum_blend(update, momentum, jnp.asarray(hp.momentum, leaf.real_dtype))
+    (stored,) = store((blended,), momentum.dtype, leaf.rounding,
+                      (bit_streams.STREAM_MOMENTUM,))
     new_momentum = keep_unless_skipped(step_finite, stored, momentum)
     # Reading the update back from the kept state lets the state be written in place;
     # when the state is narrower than the compute dtype, use the exact value.
-    update = new_momentum if np.dtype(momentum.dtype) == np.dtype(ct) else blended
-  if settings.weight_decay_rate is not None:
-    update = decoupled_weight_decay(update, param, settings.weight_decay_rate,
-                                    settings.weight_decay_mask)
-  update, new_compensation = write_back(-update if settings.negate else update, param,
-                                        grad.dtype, settings.rounding, compensation)
+    update = new_momentum if np.dtype(momentum.dtype) == ct else blended
+  if leaf.decays(step):
+    mask = None if leaf.decay_mask is True else jnp.asarray(leaf.decay_mask)
+    update = decoupled_weight_decay(
+        update, param, jnp.asarray(step.weight_decay_rate, leaf.real_dtype), mask)
+  update, new_compensation = write_back(-update if hp.negate_updates else update, param,
+                                        grad.dtype, leaf.rounding, compensation)
   if compensation is not None:
     new_compensation = keep_unless_skipped(step_finite, new_compensation, compensation)
   return zero_if_skipped(step_finite, update), new_momentum, new_compensation

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,53 +65,49 @@ def positive_floor(epsilon: jax.typing.ArrayLike, dtype: DTypeLike) -> jax.Array
   return jnp.maximum(jnp.asarray(epsilon, dtype), jnp.asarray(smallest_normal(dtype), dtype))
 
 
-def saturating_cast(x: jax.Array, dtype: DTypeLike) -> jax.Array:
-  """Cast ``x`` to ``dtype``, clamping finite values to the dtype's finite range.
+class LeafNumbers(NamedTuple):
+  """The dtype rules for one gradient dtype, worked out once per dtype and trace.
 
-  A finite float32 update larger than float16 can hold would otherwise become
-  Inf on the way out; clamping keeps every update finite. The clamp fuses into
-  the elementwise pass that produces ``x``.
-
-  >>> saturating_cast(jnp.array([1e6, -1e6, 2.0]), jnp.float16).tolist()
-  [65504.0, -65504.0, 2.0]
+  Attributes:
+    compute: the dtype arithmetic runs in (:func:`compute_dtype`).
+    real: its real counterpart, the dtype of the statistics' arithmetic.
+    floor: :func:`positive_floor` of epsilon in ``real``: under every rsqrt and divisor.
+    cap: :math:`1/\\sqrt{\\text{tiny}}` in ``real``: the largest factored scale.
   """
-  dtype = np.dtype(dtype)
-  if x.dtype == dtype:
-    return x
-  if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(x.dtype, jnp.floating):
-    dtype_max = float(jnp.finfo(dtype).max)
-    if dtype_max < float(jnp.finfo(x.dtype).max):
-      x = jnp.clip(x, -dtype_max, dtype_max)
-  return x.astype(dtype)
+
+  compute: np.dtype
+  real: np.dtype
+  floor: jax.Array
+  cap: jax.Array
 
 
-def abs_sq(x: jax.Array) -> jax.Array:
-  """``|x|**2`` as a real array (complex numbers get real second moments)."""
-  if jnp.iscomplexobj(x):
-    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
-  return x * x
+def leaf_numbers(dtype: DTypeLike, epsilon: jax.typing.ArrayLike) -> LeafNumbers:
+  """The :class:`LeafNumbers` of a gradient of ``dtype``.
 
-
-def mean_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> jax.Array:
-  """Mean of ``|x|**2`` over every axis but ``keep_axes`` (keepdims when any are kept).
-
-  Returns a scalar when no axis is kept, and 0 rather than NaN for an empty array.
+  >>> numbers = leaf_numbers(jnp.bfloat16, 0.0)  # epsilon 0: the floor is the smallest normal
+  >>> numbers.compute, numbers.real, float(numbers.floor)
+  (dtype('float32'), dtype('float32'), 1.1754943508222875e-38)
   """
-  if not keep_axes:
-    if x.size == 0:
-      return jnp.zeros((), real_dtype(x.dtype))
-    return jnp.mean(abs_sq(x))
-  axes = tuple(a for a in range(x.ndim) if a not in keep_axes)
-  if x.size == 0:
-    shape = tuple(1 if a in axes else size for a, size in enumerate(x.shape))
-    return jnp.zeros(shape, real_dtype(x.dtype))
-  return jnp.mean(abs_sq(x), axes, keepdims=True)
+  compute = compute_dtype(dtype)
+  real = real_dtype(compute)
+  cap = jax.lax.rsqrt(jnp.asarray(smallest_normal(real), real))
+  return LeafNumbers(compute, real, positive_floor(epsilon, real), cap)
 
 
-def all_finite(x: jax.Array) -> jax.Array:
-  """Scalar bool: every element of ``x`` is finite (True for an empty array)."""
-  if x.size == 0:
+def all_finite(*xs: jax.Array) -> jax.Array:
+  """Scalar bool: every element of every ``x`` is finite (True for empty arrays).
+
+  >>> bool(all_finite(jnp.ones(3), jnp.array([1.0, jnp.nan])))
+  False
+  """
+  flags = [
+      # A reduction of per-element bools: a max would do in IEEE arithmetic, but XLA's
+      # CPU backend computes min/max without propagating NaN.
+      jnp.all(jnp.isfinite(x)) for x in xs if x.size
+  ]
+  if not flags:
     return jnp.array(True)
-  # A reduction of per-element bools: a max would do in IEEE arithmetic, but XLA's
-  # CPU backend computes min/max without propagating NaN.
-  return jnp.all(jnp.isfinite(x))
+  finite = flags[0]
+  for flag in flags[1:]:
+    finite = finite & flag
+  return finite

@@ -15,7 +15,7 @@ not their types, since flax is optional.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,16 +72,21 @@ def state_spec(
 
 
 def _is_nnx_variable(x: Any) -> bool:
-  return all(hasattr(x, name) for name in ("get_metadata", "get_value", "replace"))
+  return hasattr(x, "get_metadata") and hasattr(x, "get_value") and hasattr(x, "replace")
 
 
 def _is_linen_box(x: Any) -> bool:
-  return all(hasattr(x, name) for name in ("unbox", "replace_boxed", "names"))
+  return hasattr(x, "unbox") and hasattr(x, "replace_boxed") and hasattr(x, "names")
 
 
 def is_box(x: Any) -> bool:
-  """Whether ``x`` is a flax metadata box (an nnx Variable or a linen Partitioned)."""
-  return _is_nnx_variable(x) or _is_linen_box(x)
+  """Whether ``x`` is a flax metadata box (an nnx Variable or a linen Partitioned).
+
+  Called on every node of every tree that may hold boxes, so it tests attributes
+  inline (an array has none of them) rather than through the two helpers.
+  """
+  return ((hasattr(x, "get_metadata") and hasattr(x, "get_value") and hasattr(x, "replace"))
+          or (hasattr(x, "unbox") and hasattr(x, "replace_boxed") and hasattr(x, "names")))
 
 
 def unbox(x: Any) -> Any:
@@ -99,14 +104,8 @@ def _fitted_names(names: Any, param_shape: Sequence[int], state_shape: Sequence[
   return fitted_axis_names(names, param_shape, state_shape)
 
 
-def rebox_like(box: Any, value: Any) -> Any:
-  """``value`` in a box like ``box``, with sharding names fitted to ``value``'s shape.
-
-  Plain values (no box) are returned unchanged.
-  """
-  if not is_box(box):
-    return value
-  param_shape = unbox(box).shape
+def _rebox(box: Any, param_shape: Sequence[int], value: Any) -> Any:
+  """``value`` in a box like ``box`` (a param's), sharding names fitted to its shape."""
   if _is_nnx_variable(box):
     metadata = box.get_metadata()
     fitted = {
@@ -116,6 +115,16 @@ def rebox_like(box: Any, value: Any) -> Any:
     }
     return box.replace(value=value, **fitted)
   return box.replace(value=value, names=_fitted_names(box.names, param_shape, value.shape))
+
+
+def rebox_like(box: Any, value: Any) -> Any:
+  """``value`` in a box like ``box``, with sharding names fitted to ``value``'s shape.
+
+  Plain values (no box) are returned unchanged.
+  """
+  if not is_box(box):
+    return value
+  return _rebox(box, unbox(box).shape, value)
 
 
 # Arrays ----------------------------------------------------------------------------
@@ -148,13 +157,38 @@ def _full_like(param: jax.Array, shape: Sequence[int], fill_value: Any, dtype: A
   return jnp.full(shape, fill_value, dtype)
 
 
+class LeafPlacement(NamedTuple):
+  """A param leaf unboxed once: its array, and its box (``None`` for a plain array).
+
+  :meth:`full` makes each state array that belongs to the param, placed like it.
+  """
+
+  value: Any
+  box: Any = None
+
+  def full(self, shape: Sequence[int], fill_value: Any, dtype: Any) -> Any:
+    """``jnp.full(shape, fill_value, dtype)`` placed like the param, less its reduced axes,
+    and boxed like it (sharding names fitted to ``shape``) when the param is boxed."""
+    array = _full_like(self.value, shape, fill_value, dtype)
+    return array if self.box is None else _rebox(self.box, self.value.shape, array)
+
+
+def leaf_placement(param: Any) -> LeafPlacement:
+  """``param`` (an array or a flax box) as a :class:`LeafPlacement`."""
+  if _is_nnx_variable(param):
+    return LeafPlacement(param.get_value(), param)
+  if _is_linen_box(param):
+    return LeafPlacement(param.unbox(), param)
+  return LeafPlacement(param)
+
+
 def state_like(param: Any, shape: Sequence[int], fill_value: Any, dtype: Any) -> Any:
   """``jnp.full(shape, fill_value, dtype)`` placed like ``param``, less its reduced axes.
 
   ``param`` may be a flax box: the result is then boxed like it, with sharding names
   fitted to ``shape``.
   """
-  return rebox_like(param, _full_like(unbox(param), shape, fill_value, dtype))
+  return leaf_placement(param).full(shape, fill_value, dtype)
 
 
 def _matches_params(params: Any, subtree: Any) -> bool:

@@ -55,11 +55,11 @@ class FactorPlan(NamedTuple):
 
   def row_stat_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of ``v_row``: ``shape`` with the column axes set to 1."""
-    return tuple(1 if axis in self.col_axes else size for axis, size in enumerate(shape))
+    return tuple([1 if axis in self.col_axes else size for axis, size in enumerate(shape)])
 
   def col_stat_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of ``v_col``: ``shape`` with the row axes set to 1."""
-    return tuple(1 if axis in self.row_axes else size for axis, size in enumerate(shape))
+    return tuple([1 if axis in self.row_axes else size for axis, size in enumerate(shape)])
 
 
 def default_plan(
@@ -142,7 +142,7 @@ def plan_from_roles(
 
 
 def _axes_with_role(roles: Roles, role: str) -> tuple[int, ...]:
-  return tuple(axis for axis, axis_role in enumerate(roles) if axis_role == role)
+  return tuple([axis for axis, axis_role in enumerate(roles) if axis_role == role])
 
 
 class Planner:
@@ -188,7 +188,7 @@ class Planner:
     ``factored_in_state`` (used by ``update``) says whether the state holds factored
     statistics for the leaf; it is read only when ``min_dim_size_to_factor`` is traced.
     """
-    shape = tuple(int(size) for size in shape)
+    shape = tuple([int(size) for size in shape])
     key = (jax.tree_util.keystr(tuple(path)), shape)
     if key not in self._roles:
       self._roles[key] = None if self._factor_rules is None else self._factor_rules(path, shape)

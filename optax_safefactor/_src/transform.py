@@ -18,15 +18,16 @@ import optax
 
 from optax_safefactor._src import (
     checks,
+    counters,
     guard,
     kernel,
     numerics,
     placement,
-    rounding,
     trees,
+    write_back,
     xla_hints,
 )
-from optax_safefactor._src.hyperparams import Hyperparams, momentum_dtype, value_at
+from optax_safefactor._src.hyperparams import Hyperparams, momentum_dtype
 from optax_safefactor._src.plan import Planner
 from optax_safefactor._src.trees import keep_unless_skipped, unzip_leaf_results
 
@@ -59,71 +60,41 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
 
 
-def _leaf_settings(hp: Hyperparams, count: jax.Array, beta2_for, path, grad, decay_mask):
-  """One leaf's :class:`kernel.LeafSettings` for this step."""
-  how = None
-  if hp.param_rounding != "nearest":
-    how = kernel.Rounding(hp.param_rounding, hp.rounding_seed, count,
-                          rounding.path_hash(path))
-  weight_decay_rate = None
-  mask = None
-  if hp.weight_decay_rate is not None and decay_mask is not False:
-    weight_decay_rate = value_at(hp.weight_decay_rate, count)
-    mask = None if decay_mask is True else jnp.asarray(decay_mask)
-  return kernel.LeafSettings(
-      beta2=beta2_for(numerics.real_dtype(numerics.compute_dtype(grad.dtype))),
-      eps=hp.eps,
-      learning_rate=None if hp.learning_rate is None else value_at(hp.learning_rate, count),
-      clipping_threshold=hp.clipping_threshold,
-      min_parameter_scale=hp.min_parameter_scale if hp.multiply_by_parameter_scale else None,
-      max_parameter_scale=hp.max_parameter_scale,
-      momentum=hp.momentum,
-      weight_decay_rate=weight_decay_rate,
-      weight_decay_mask=mask,
-      negate=hp.negate_updates,
-      rounding=how,
-  )
-
-
 def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   """The transformation for validated ``hp``; guarded when ``hp.skip_nonfinite_steps``."""
   planner = Planner(hp.factored, hp.min_dim_size_to_factor, hp.factor_rules)
   guarded = hp.skip_nonfinite_steps
+  keeps_compensation = write_back.keeps_compensation(hp.param_rounding)
+  rounds_onto_params = write_back.rounds_onto_params(hp.param_rounding)
 
   def init_fn(params):
     def init_leaf(path, param):
-      value = placement.unbox(param)
+      leaf = placement.leaf_placement(param)
+      value = leaf.value
       checks.check_param_leaf(path, value)
-      return kernel.init_moment(param, planner(path, value.shape), hp.state_dtype, hp.eps)
+      moment = kernel.init_moment(leaf, planner(path, value.shape), hp.state_dtype, hp.eps)
+      momentum = None
+      if hp.momentum is not None:
+        momentum = leaf.full(value.shape, 0, momentum_dtype(hp.dtype_momentum, value.dtype))
+      compensation = None
+      if keeps_compensation and write_back.is_narrow(value.dtype):
+        compensation = leaf.full(value.shape, 0, value.dtype)
+      return moment, momentum, compensation, value
 
-    second_moment = jax.tree_util.tree_map_with_path(init_leaf, params, is_leaf=placement.is_box)
-    first_moment = None
-    if hp.momentum is not None:
-      def zeros_like_param(param):
-        value = placement.unbox(param)
-        return placement.state_like(param, value.shape, 0,
-                                    momentum_dtype(hp.dtype_momentum, value.dtype))
-
-      first_moment = jax.tree.map(zeros_like_param, params, is_leaf=placement.is_box)
-    compensation = None
-    if hp.param_rounding == "kahan":
-      def zeros_if_narrow(param):
-        value = placement.unbox(param)
-        if not rounding.needs_rounding(value.dtype, numerics.compute_dtype(value.dtype)):
-          return None
-        return placement.state_like(param, value.shape, 0, value.dtype)
-
-      compensation = jax.tree.map(zeros_if_narrow, params, is_leaf=placement.is_box)
+    per_leaf = jax.tree_util.tree_map_with_path(init_leaf, params, is_leaf=placement.is_box)
+    reference = jax.tree.map(lambda _: 0, params, is_leaf=placement.is_box)
+    second_moment, momentum, compensation, values = unzip_leaf_results(reference, per_leaf, 4)
     if hp.weight_decay_rate is not None:
       # A mask that does not fit the params fails here, not at the first step.
-      _decay_masks(hp.weight_decay_mask,
-                   jax.tree.map(placement.unbox, params, is_leaf=placement.is_box))
-    state = AdafactorState(jnp.zeros([], jnp.int32), second_moment, first_moment, compensation)
-    return guard.init_guarded(state, params) if guarded else state
+      _decay_masks(hp.weight_decay_mask, values)
+    state = AdafactorState(jnp.zeros([], jnp.int32), second_moment,
+                           momentum if hp.momentum is not None else None,
+                           compensation if keeps_compensation else None)
+    return counters.init_guarded(state, values) if guarded else state
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    expected = guard.SkipNonfiniteState if guarded else AdafactorState
+    expected = counters.SkipNonfiniteState if guarded else AdafactorState
     checks.check_state_type(state, expected, updates)
     inner = state.inner_state if guarded else state
     if params is None and hp.needs_params:
@@ -132,46 +103,48 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
           "multiply_by_parameter_scale is on, weight_decay_rate is set or "
           "param_rounding is not 'nearest'"
       )
-    checks.check_update_inputs(updates, params)
-    checks.check_same_structure(
-        updates, jax.tree.map(lambda _: 0, inner.second_moment, is_leaf=kernel.is_moment),
-        "the optimizer state",
-    )
-    plans = jax.tree_util.tree_map_with_path(
-        lambda path, grad, moment: planner(
-            path, grad.shape, isinstance(moment, kernel.FactoredMoment)
-        ),
-        updates, inner.second_moment,
-    )
-    checks.check_state_fits_plans(updates, inner.second_moment, plans)
-
-    beta2_by_dtype = {}
-
-    def beta2_for(dtype):
-      if dtype not in beta2_by_dtype:
-        beta2_by_dtype[dtype] = kernel.second_moment_decay(
-            inner.count, dtype, decay_rate=hp.decay_rate, decay_offset=hp.decay_offset,
-            decay_rate_fn=hp.decay_rate_fn, beta2_cap=hp.beta2_cap,
-        )
-      return beta2_by_dtype[dtype]
-
+    checks.check_update_against_state(updates, params, inner.second_moment,
+                                      kernel.MOMENT_TYPES)
     none_tree = jax.tree.map(lambda _: None, updates)
-    params_tree = none_tree if params is None else params
     masks = (_decay_masks(hp.weight_decay_mask, updates) if hp.weight_decay_rate is not None
              else none_tree)
-    settings = jax.tree_util.tree_map_with_path(
-        partial(_leaf_settings, hp, inner.count, beta2_for), updates, masks)
+
+    numbers_by_dtype = {}  # the dtype rules, worked out once per gradient dtype
+
+    def leaf_of(path, grad, moment, mask):
+      numbers = numbers_by_dtype.get(grad.dtype)
+      if numbers is None:
+        numbers = numbers_by_dtype[grad.dtype] = numerics.leaf_numbers(grad.dtype, hp.eps)
+      plan = planner(path, grad.shape, isinstance(moment, kernel.FactoredMoment))
+      checks.check_moment_fits_plan(path, grad, moment, plan)
+      return kernel.Leaf(
+          plan=plan,
+          compute_dtype=numbers.compute,
+          real_dtype=numbers.real,
+          floor=numbers.floor,
+          cap=numbers.cap,
+          decay_mask=mask,
+          rounding=(write_back.rounding_for(hp.param_rounding, hp.rounding_seed, inner.count,
+                                            path) if rounds_onto_params else None),
+      )
+
+    leaves = jax.tree_util.tree_map_with_path(leaf_of, updates, inner.second_moment, masks)
+    real_dtypes = set()
+    for numbers in numbers_by_dtype.values():
+      real_dtypes.add(numbers.real)
+    step = kernel.step_values(hp, inner.count, real_dtypes)
+    params_tree = none_tree if params is None else params
     # Every tree below is read up to the structure of ``updates``: a per-leaf value
-    # (a moment, a plan, settings) arrives whole.
-    first_half = jax.tree.map(kernel.leaf_scaling, updates, inner.second_moment, params_tree,
-                              plans, settings)
+    # (a moment, a Leaf) arrives whole.
+    first_half = jax.tree.map(partial(kernel.leaf_scaling, hp, step), updates, leaves,
+                              inner.second_moment, params_tree)
     new_second, scalings, leaf_finite = unzip_leaf_results(updates, first_half, 3)
     step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite)) if guarded else None
 
     second_half = jax.tree.map(
-        partial(kernel.leaf_update, step_finite), updates, scalings,
+        partial(kernel.leaf_update, hp, step, step_finite), updates, leaves, scalings,
         none_tree if hp.momentum is None else inner.momentum, params_tree,
-        none_tree if inner.compensation is None else inner.compensation, settings,
+        none_tree if inner.compensation is None else inner.compensation,
     )
     new_updates, new_first, new_compensation = unzip_leaf_results(updates, second_half, 3)
     new_inner = AdafactorState(
@@ -188,3 +161,4 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+

@@ -30,7 +30,7 @@ def unzip_leaf_results(reference: Any, results: Any, arity: int) -> tuple[Any, .
   """
   treedef = jax.tree.structure(reference)
   columns = list(zip(*treedef.flatten_up_to(results), strict=True)) or [()] * arity
-  return tuple(jax.tree.unflatten(treedef, column) for column in columns)
+  return tuple([jax.tree.unflatten(treedef, column) for column in columns])
 
 
 def find_all(tree: Any, kind: type) -> list[Any]:

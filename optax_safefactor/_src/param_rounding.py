@@ -1,0 +1,170 @@
+"""``with_param_rounding``: any optax transformation, its updates written back onto narrow params.
+
+The wrapped transformation sees float32 copies of bfloat16/float16 gradients and
+params; its float32 updates go through the same write-back as safefactor's own
+(:func:`write_back.write_back`), one leaf at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_safefactor._src import bit_streams, checks, numerics, write_back
+from optax_safefactor._src.trees import unzip_leaf_results
+
+
+class ParamRoundingState(NamedTuple):
+  """State of :func:`with_param_rounding`.
+
+  Attributes:
+    inner_state: the wrapped transformation's state (built from float32 params).
+    count: applied steps (int32); with the seed and the leaf path it picks the bits.
+    compensation: ``"kahan"`` only (else ``None``): per narrow param, what rounding
+      lost, in the param dtype and placed like the param; ``None`` for other leaves.
+  """
+
+  inner_state: Any
+  count: jax.Array
+  compensation: Any
+
+
+def _dtype(x: Any) -> np.dtype:
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.asarray(x).dtype)
+
+
+def _is_narrow(x: Any) -> bool:
+  return write_back.is_narrow(_dtype(x))
+
+
+def _widen(tree: Any) -> Any:
+  """float32 copies of the narrow leaves; every other leaf as it is."""
+  return jax.tree.map(
+      lambda x: x.astype(numerics.compute_dtype(_dtype(x))) if _is_narrow(x) else x, tree
+  )
+
+
+def with_param_rounding(
+    inner: optax.GradientTransformation, mode: str = "stochastic", seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+  """Any optax transformation, with updates that land bfloat16/float16 params precisely.
+
+  ``inner`` sees float32 copies of the gradients and params (so its own state is
+  float32) and its float32 update ``u`` is written back so that
+  ``optax.apply_updates(params, updates)`` lands on the rounded value of
+  ``param + u`` (exactly whenever the difference is representable in the param
+  dtype, which holds for updates up to half the param):
+
+  * ``"nearest"``: the update is cast to the gradient dtype, as optax does (finite
+    values clamped to its range); small updates to narrow params vanish. ``params``
+    are optional.
+  * ``"stochastic"``: rounded up with probability equal to the fraction of the ulp
+    (unbiased), bits from ``(seed, applied step, leaf path, global element
+    index)``: the same on one device, any mesh and any number of processes.
+  * ``"kahan"``: rounded to nearest, with a compensation buffer per narrow param
+    (2 bytes per bfloat16 param) carrying what rounding lost. The buffer is made
+    with ``jnp.zeros_like(param)``: placed like its param by an eager ``init`` and
+    under ``jax.jit`` with Explicit mesh axes; with Auto axes a jitted ``init``
+    needs ``out_shardings`` (the first jitted update places it like the param).
+
+  float32 and float64 params are untouched by every mode: their updates are
+  ``inner``'s, bit for bit. Updates are in the gradient dtype for them and in the
+  param dtype for narrow params.
+
+  Nothing after this transformation in a chain may change a non-zero update (no
+  scaling, clipping or weight decay after it): the update is only right as given.
+  :func:`optax_safefactor.skip_nonfinite` may wrap it, since a skip zeroes the
+  updates and restores the whole state, the rounding state included, so a skipped
+  step consumes no bits and leaves the compensation alone.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_safefactor as osf
+    >>> tx = osf.with_param_rounding(optax.sgd(1e-3), mode="kahan")
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> for _ in range(10):
+    ...   updates, state = tx.update({"w": -jnp.ones(3, jnp.bfloat16)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params["w"]  # round to nearest would stay at 1.0
+    Array([1.00781, 1.00781, 1.00781], dtype=bfloat16)
+
+  Args:
+    inner: any optax transformation (a chain, ``optax.adamw``, ...).
+    mode: ``"nearest"``, ``"stochastic"`` or ``"kahan"``.
+    seed: the seed of the stochastic rounding (a Python int).
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs`. Its state is a named tuple of
+    ``inner_state`` (``inner``'s state, built from float32 copies of the params),
+    ``count`` (the applied steps, int32: with the seed and the leaf path it picks the
+    random bits) and ``compensation`` (``"kahan"`` only, else ``None``: per narrow
+    param, what rounding lost, in the param dtype; ``None`` for other leaves).
+
+  Raises:
+    TypeError: at construction, when ``inner`` is not a transformation (the factory
+      ``optax.sgd`` rather than ``optax.sgd(1e-3)``, say); in ``init`` and ``update``,
+      when a param or grad leaf is not an array; in ``update``, when the state is not
+      this transformation's.
+    ValueError: when ``mode`` is not one of the three; in ``update``, when params are
+      missing (every mode but ``"nearest"`` needs them), or grads and params differ in
+      structure or in a leaf's shape.
+  """
+  checks.check_transformation(inner, "with_param_rounding")
+  mode = write_back.check_rounding_mode(mode, "mode")
+  bit_streams.check_seed("seed", seed)
+  inner = optax.with_extra_args_support(inner)
+  keeps_compensation = write_back.keeps_compensation(mode)
+
+  def init_fn(params):
+    # Any dtype: inner decides about integer leaves; the rounding skips them.
+    checks.check_init_params(params, any_dtype=True)
+    compensation = None
+    if keeps_compensation:
+      # zeros_like keeps a concrete param's sharding (and an Explicit-axes tracer's).
+      compensation = jax.tree.map(lambda p: jnp.zeros_like(p) if _is_narrow(p) else None, params)
+    return ParamRoundingState(
+        inner_state=inner.init(_widen(params)),
+        count=jnp.zeros([], jnp.int32),
+        compensation=compensation,
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    checks.check_state_type(state, ParamRoundingState, updates, "with_param_rounding")
+    if write_back.rounds_onto_params(mode) and params is None:
+      raise ValueError(
+          f"with_param_rounding(mode={mode!r}) needs params: call update(grads, state, params)"
+      )
+    # Any dtype: float32 grads for bfloat16 params are fine (the update takes the
+    # param's dtype); shapes and structure must agree, leaf by leaf.
+    checks.check_update_inputs(updates, params, any_dtype=True)
+    inner_updates, inner_state = inner.update(
+        _widen(updates), state.inner_state, None if params is None else _widen(params),
+        **extra_args,
+    )
+    checks.check_same_structure(updates, inner_updates, "the inner transformation's updates")
+    none_tree = jax.tree.map(lambda _: None, updates)
+
+    def write_leaf(path, grad, update, param, compensation):
+      if param is not None and not _is_narrow(param):
+        param = None  # a wide param is never rounded: no bits, no compensation
+      how = None if param is None else write_back.rounding_for(mode, seed, state.count, path)
+      return write_back.write_back(update, param, _dtype(grad), how, compensation)
+
+    written = jax.tree_util.tree_map_with_path(
+        write_leaf, updates, inner_updates, none_tree if params is None else params,
+        state.compensation if keeps_compensation else none_tree,
+    )
+    new_updates, new_compensation = unzip_leaf_results(updates, written, 2)
+    return new_updates, ParamRoundingState(
+        inner_state=inner_state,
+        count=optax.safe_increment(state.count),
+        compensation=new_compensation if keeps_compensation else state.compensation,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

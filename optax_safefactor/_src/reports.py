@@ -1,0 +1,327 @@
+"""What the guards saw, for the host: a count, a log line, a dict to log, and the one error.
+
+Every report is derived from :func:`guard_records`, one record per guard found by
+:func:`counters.find_counters`, so the reports always agree with each other; the
+:class:`NonFiniteStepsError` message is built by :func:`nonfinite_steps_error` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optax_safefactor._src import checks, counters
+from optax_safefactor._src.placement import is_box, unbox
+
+
+class NonFiniteStepsError(FloatingPointError):
+  """Raised when ``max_consecutive`` steps in a row were skipped."""
+
+
+# Shown (and pickled) under its public name.
+NonFiniteStepsError.__module__ = "optax_safefactor"
+
+
+class GuardRecord(NamedTuple):
+  """What one guard saw, as host numbers: the single source of every report.
+
+  ``kind`` is ``"steps"`` for a :class:`SkipNonfiniteState` and ``"micro_batches"``
+  for :func:`accumulate_gradients`' :class:`MicroBatchCounters`; it decides the words
+  and keys the reports use, never the numbers.
+  """
+
+  skipped: int
+  consecutive: int
+  calls: int
+  nonfinite: dict[str, int]
+  last_nonfinite: dict[str, int]
+  kind: str = "steps"
+
+
+class _Wording(NamedTuple):
+  """How the reports name one kind of record: its keys, its words, its error's ending."""
+
+  skipped: str
+  consecutive: str
+  calls: str
+  nonfinite: str
+  last_nonfinite: str
+  label: str
+  one: str
+  many: str
+  skipped_one: str
+  skipped_what: str
+  held: str
+
+
+_WORDING = {
+    "steps": _Wording(
+        skipped="skipped_steps", consecutive="consecutive_skips", calls="steps",
+        nonfinite="nonfinite_steps", last_nonfinite="last_nonfinite_step", label="guard",
+        one="step", many="steps", skipped_one="optimizer step", skipped_what="optimizer steps",
+        held="Params and optimizer state hold the last finite step."),
+    "micro_batches": _Wording(
+        skipped="skipped_micro_batches", consecutive="consecutive_skipped_micro_batches",
+        calls="micro_batches", nonfinite="nonfinite_micro_batches",
+        last_nonfinite="last_nonfinite_micro_batch", label="accumulation",
+        one="micro-batch", many="micro-batches", skipped_one="micro-batch",
+        skipped_what="micro-batches",
+        held="The accumulator holds the finite micro-batches only."),
+}
+
+
+def nonfinite_steps_error(consecutive: int, step: int, bad_leaves: list[str],
+                          max_consecutive: int, kind: str = "steps") -> NonFiniteStepsError:
+  """The error for ``consecutive`` skips in a row, the last at ``step``, naming ``bad_leaves``.
+
+  >>> print(nonfinite_steps_error(1, 4, ["['w']"], 1))
+  1 optimizer step was non-finite and skipped (max_consecutive=1); at step 4 the non-finite \
+leaves were: ['w']. Params and optimizer state hold the last finite step.
+  """
+  words = _WORDING[kind]
+  # max_consecutive=1 stops at the first skip: "1 consecutive steps were" is wrong twice.
+  what = (f"1 {words.skipped_one} was" if consecutive == 1
+          else f"{consecutive} consecutive {words.skipped_what} were")
+  return NonFiniteStepsError(
+      f"{what} non-finite and skipped "
+      f"(max_consecutive={max_consecutive}); at {words.one} {step} the non-finite leaves "
+      f"were: {', '.join(bad_leaves) or '(optimizer state only)'}. {words.held}"
+  )
+
+
+def _kind(found: counters.SkipNonfiniteState | counters.MicroBatchCounters) -> str:
+  return "micro_batches" if isinstance(found, counters.MicroBatchCounters) else "steps"
+
+
+def _per_leaf_ints(tree: Any) -> dict[str, int]:
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+  return {checks.path_name(path): int(unbox(value)) for path, value in flat}
+
+
+def guard_records(opt_state: Any) -> list[GuardRecord]:
+  """One :class:`GuardRecord` per guard found anywhere in ``opt_state``, guards inside
+  another guard included, in the state's tree order (a guard before those inside it).
+
+  The micro-batch counters of :func:`accumulate_gradients` are records too, of kind
+  ``"micro_batches"``.
+  """
+  return [
+      GuardRecord(
+          skipped=int(unbox(guard.skipped_steps)),
+          consecutive=int(unbox(guard.consecutive_skips)),
+          calls=int(unbox(guard.step)),
+          nonfinite=_per_leaf_ints(guard.nonfinite_steps),
+          last_nonfinite=_per_leaf_ints(guard.last_nonfinite_step),
+          kind=_kind(guard),
+      )
+      for guard in counters.find_counters(opt_state)
+  ]
+
+
+def _labelled(records: list[GuardRecord]) -> list[tuple[int, str, GuardRecord]]:
+  """Each record with its index among records of its kind and its label (``guard1``)."""
+  seen: dict[str, int] = {}
+  labelled = []
+  for record in records:
+    index = seen.get(record.kind, 0)
+    seen[record.kind] = index + 1
+    wording = _WORDING[record.kind]
+    label = f"{wording.label}{index}" if index or record.kind == "steps" else wording.label
+    labelled.append((index, label, record))
+  return labelled
+
+
+def skipped_steps(opt_state: Any) -> jax.Array:
+  """Total skipped steps of every guard found anywhere in a state (int32 array).
+
+  Micro-batches skipped by :func:`accumulate_gradients` are included: a skipped
+  micro-batch is a skipped update call. Works through ``optax.chain``,
+  ``inject_hyperparams``, ``MultiSteps`` and any other nesting, on an
+  ``nnx.Optimizer``'s ``opt_state``, and under ``jax.jit``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(learning_rate=0.1)
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.full((2, 3), jnp.inf)}, state, params)
+    >>> osf.skipped_steps(state)
+    Array(1, dtype=int32)
+
+  Args:
+    opt_state: an optimizer state holding at least one guard: a
+      :class:`SkipNonfiniteState` (of :func:`skip_nonfinite`, or of :func:`safefactor`
+      unless ``skip_nonfinite_steps=False``) or the counters of
+      :func:`accumulate_gradients`, at any depth.
+
+  Returns:
+    A scalar int32 array: the skipped steps and micro-batches of every guard, summed.
+
+  Raises:
+    ValueError: when the state holds no guard.
+  """
+  counts = [jnp.asarray(unbox(guard.skipped_steps), jnp.int32)
+            for guard in counters.find_counters(opt_state)]
+  return sum(counts[1:], counts[0])
+
+
+def nonfinite_report(opt_state: Any) -> dict[str, int]:
+  """What the guards saw, as a flat dict of ints ready to log.
+
+  Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), then
+  ``nonfinite_steps/<path>`` and ``last_nonfinite_step/<path>`` (-1 if never) for each
+  parameter. With several guards in one state, the keys of the second and later ones
+  are prefixed ``guard<i>/``. ``total_skipped_steps``, always there, sums every guard
+  (it equals :func:`skipped_steps`).
+
+  Micro-batches skipped by :func:`accumulate_gradients` have keys of their own:
+  ``skipped_micro_batches``, ``consecutive_skipped_micro_batches``, ``micro_batches``
+  (micro-batches seen), ``nonfinite_micro_batches/<path>`` and
+  ``last_nonfinite_micro_batch/<path>`` (prefixed ``accumulation<i>/`` from the second
+  accumulation on); ``total_skipped_steps`` includes them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(0.1)
+    >>> params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.ones((2, 3)), "b": jnp.full(3, jnp.nan)}, state, params)
+    >>> report = osf.nonfinite_report(state)
+    >>> report["skipped_steps"], report["nonfinite_steps/params['b']"]
+    (1, 1)
+
+  Args:
+    opt_state: an optimizer state holding at least one guard (as for
+      :func:`skipped_steps`), with concrete values: call it outside ``jax.jit``.
+
+  Returns:
+    A dict from the keys above to Python ints.
+
+  Raises:
+    ValueError: when the state holds no guard.
+  """
+  records = guard_records(opt_state)
+  report: dict[str, int] = {}
+  for index, label, record in _labelled(records):
+    keys = _WORDING[record.kind]
+    prefix = f"{label}/" if index else ""
+    report[prefix + keys.skipped] = record.skipped
+    report[prefix + keys.consecutive] = record.consecutive
+    report[prefix + keys.calls] = record.calls
+    for path, count in record.nonfinite.items():
+      report[f"{prefix}{keys.nonfinite}/{path}"] = count
+    for path, last in record.last_nonfinite.items():
+      report[f"{prefix}{keys.last_nonfinite}/{path}"] = last
+  report["total_skipped_steps"] = sum(record.skipped for record in records)
+  return report
+
+
+def _counted(count: int, words: _Wording) -> str:
+  """``1 step``, ``2 steps``: a count with its noun."""
+  return f"{count} {words.one if count == 1 else words.many}"
+
+
+def _describe(record: GuardRecord) -> str:
+  words = _WORDING[record.kind]
+  if record.calls == 0:
+    return f"no {words.many} yet"
+  if record.skipped == 0:
+    return f"no skipped {words.many} in {_counted(record.calls, words)}"
+  leaves = [
+      f"{path} x{count} (last at {words.one} {record.last_nonfinite[path]})"
+      for path, count in record.nonfinite.items()
+      if count
+  ]
+  return (
+      f"skipped {record.skipped} of {_counted(record.calls, words)} ({record.consecutive} in a "
+      f"row); non-finite: {', '.join(leaves) or 'state only'}"
+  )
+
+
+def nonfinite_summary(opt_state: Any) -> str:
+  """One line for a training log: skipped steps and the leaves that were non-finite.
+
+  It formats the same records as :func:`nonfinite_report`, so the two (and
+  :func:`skipped_steps`) always agree; with several guards each gets its own clause
+  (``guard<i>`` for steps, ``accumulation`` for skipped micro-batches).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(0.1)
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> print(osf.nonfinite_summary(state))
+    no steps yet
+    >>> _, state = tx.update({"w": jnp.full((2, 3), jnp.inf)}, state, params)
+    >>> print(osf.nonfinite_summary(state))
+    skipped 1 of 1 step (1 in a row); non-finite: params['w'] x1 (last at step 0)
+
+  Args:
+    opt_state: an optimizer state holding at least one guard (as for
+      :func:`skipped_steps`), with concrete values: call it outside ``jax.jit``.
+
+  Returns:
+    One line of text, without a trailing newline.
+
+  Raises:
+    ValueError: when the state holds no guard.
+  """
+  records = guard_records(opt_state)
+  if len(records) == 1:
+    return _describe(records[0])
+  total = sum(record.skipped for record in records)
+  clauses = "; ".join(f"{label}: {_describe(record)}" for _, label, record in
+                      _labelled(records))
+  return f"{total} skipped in total; {clauses}"
+
+
+def check_nonfinite_steps(opt_state: Any, max_consecutive: int) -> None:
+  """Raise :class:`NonFiniteStepsError` when a guard has skipped ``max_consecutive`` in a row.
+
+  A host-side check to call between jitted steps: it raises the error type itself
+  (inside ``jax.jit`` JAX can only deliver a wrapped one), naming the leaves that were
+  non-finite at the last skipped step. Consecutive skipped micro-batches of
+  :func:`accumulate_gradients` count too.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(0.1)
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.full((2, 3), jnp.nan)}, state, params)
+    >>> osf.check_nonfinite_steps(state, max_consecutive=1)
+    Traceback (most recent call last):
+    ...
+    optax_safefactor.NonFiniteStepsError: 1 optimizer step was non-finite and skipped ...
+
+  Args:
+    opt_state: an optimizer state holding at least one guard (as for
+      :func:`skipped_steps`), with concrete values: call it outside ``jax.jit``.
+    max_consecutive: a positive int: raise once any guard's current run of skipped
+      steps (or skipped micro-batches) reaches it.
+
+  Returns:
+    ``None``, when no guard has reached ``max_consecutive``.
+
+  Raises:
+    NonFiniteStepsError: when a guard has skipped ``max_consecutive`` or more in a row.
+    ValueError: when ``max_consecutive`` is not a positive int, or the state holds no
+      guard.
+  """
+  # 0 would "stop" a healthy fresh state, and a float or bool is a slip: refuse both.
+  checks.check_positive_int(
+      max_consecutive, "max_consecutive",
+      meaning=" (check_nonfinite_steps raises once a guard has skipped this many steps "
+              "in a row)")
+  for record in guard_records(opt_state):
+    if record.consecutive >= max_consecutive:
+      last_step = record.calls - 1
+      bad = [path for path, last in record.last_nonfinite.items() if last == last_step]
+      raise nonfinite_steps_error(record.consecutive, last_step, bad, max_consecutive,
+                                  record.kind)

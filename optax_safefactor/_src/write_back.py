@@ -1,0 +1,246 @@
+"""The write-back policy: how a wide update lands on a narrow param, and a wide value in state.
+
+``optax.apply_updates`` adds an update to a bfloat16 param in bfloat16 and rounds
+to nearest, so an update below half an ulp (``lr = 1e-3`` with an update relative
+to the param's scale, say) vanishes. The write-back chooses the update so that
+``apply_updates`` lands on a better value ``target`` of ``param + exact_update``:
+
+* ``"nearest"``: the update is cast to the gradient's dtype under the one clamping
+  rule (:func:`rounding.saturate`); small updates to narrow params vanish.
+* ``"stochastic"``: ``target`` is rounded up with probability equal to the
+  fraction of the ulp, so it is unbiased; the bits come from
+  :mod:`bit_streams`, keyed by ``(seed, step, leaf path, stream, element index)``.
+* ``"kahan"``: ``target`` is rounded to nearest and a compensation buffer in the
+  param dtype carries what the rounding lost into the next step.
+
+The mode is read in this module only: :func:`rounding_for` turns it into a
+:class:`Rounding` (``None`` for ``"nearest"``), and :func:`write_back` and :func:`store`
+dispatch on that, for safefactor's kernel and for :func:`with_param_rounding` alike.
+float32 and float64 params are left alone by every mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from optax_safefactor._src import bit_streams, numerics
+from optax_safefactor._src.rounding import (
+    exact_cast,
+    needs_rounding,
+    on_grid,
+    round_to_nearest,
+    saturating_cast,
+    stochastic_round,
+)
+
+DTypeLike = Any
+
+ROUNDING_MODES = ("nearest", "stochastic", "kahan")
+
+
+def check_rounding_mode(mode: str, name: str = "param_rounding") -> str:
+  """``mode`` if it is one of :data:`ROUNDING_MODES`, else a ``ValueError`` listing them.
+
+  >>> check_rounding_mode("kahan")
+  'kahan'
+  >>> check_rounding_mode("up")
+  Traceback (most recent call last):
+  ...
+  ValueError: param_rounding must be one of 'nearest', 'stochastic' or 'kahan', got 'up'
+  """
+  if not isinstance(mode, str) or mode not in ROUNDING_MODES:
+    raise ValueError(
+        f"{name} must be one of 'nearest', 'stochastic' or 'kahan', got {mode!r}"
+    )
+  return mode
+
+
+def rounds_onto_params(mode: str) -> bool:
+  """Whether ``mode`` rounds the final update onto the params, so it reads them (all but
+  ``"nearest"``)."""
+  return mode != "nearest"
+
+
+def keeps_compensation(mode: str) -> bool:
+  """Whether ``mode`` keeps a compensation buffer per narrow param (``"kahan"``)."""
+  return mode == "kahan"
+
+
+def is_narrow(dtype: DTypeLike) -> bool:
+  """Whether params of ``dtype`` are rounded on write-back (bfloat16 and float16)."""
+  return needs_rounding(dtype, numerics.compute_dtype(dtype))
+
+
+class Rounding(NamedTuple):
+  """How one leaf writes wide values into narrow params and state this step.
+
+  Attributes:
+    stochastic: True for ``"stochastic"``, False for ``"kahan"``.
+    seed: the stochastic rounding's seed.
+    step: the applied-step count: a skipped step does not advance it, so it
+      consumes no bits.
+    path_hash: the leaf's stable path hash; with the element's global index and a
+      stream it picks each element's bits.
+  """
+
+  stochastic: bool
+  seed: Any
+  step: jax.Array
+  path_hash: int
+
+  def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
+    return bit_streams.random_bits(self.seed, self.step, self.path_hash, shape, stream)
+
+
+def rounding_for(mode: str, seed: Any, step: jax.Array, path: Any) -> Rounding | None:
+  """One leaf's :class:`Rounding` in ``mode`` at ``step``; ``None`` for ``"nearest"``."""
+  if mode == "nearest":
+    return None
+  return Rounding(mode == "stochastic", seed, step, bit_streams.path_hash(path))
+
+
+def _landing_update_wide(param_wide: jax.Array, target_wide: jax.Array, dtype: DTypeLike):
+  return on_grid(target_wide - param_wide, dtype)
+
+
+def _landed_wide(param_wide: jax.Array, update_wide: jax.Array, dtype: DTypeLike):
+  return on_grid(param_wide + update_wide, dtype, saturating=False)
+
+
+def landing_update(param: jax.Array, target: jax.Array) -> jax.Array:
+  """The update in ``param.dtype`` that moves ``param`` onto ``target`` under ``apply_updates``.
+
+  ``update = nearest(target - param)`` (computed wide, saturated at the largest
+  finite value; bfloat16 shares float32's range, so opposite-sign values so large
+  that their difference overflows float32 give Inf).
+  ``optax.apply_updates`` computes ``(param + update)`` in the param dtype, which
+  equals ``target`` whenever ``target - param`` is representable there; by
+  Sterbenz's lemma ``|target - param| <= |param| / 2`` (with ``target`` of the same
+  sign) suffices. Otherwise (sign changes, targets near zero, jumps beyond twice
+  the param) the param lands within one ulp of the larger of ``|param|`` and
+  ``|target|``: see :func:`landed`. Inside jit XLA flushes float32 subnormals, so a
+  bfloat16 difference below the smallest normal (about 1.2e-38) becomes 0.
+
+  >>> import jax.numpy as jnp, optax
+  >>> param = jnp.array([1.0, 3.0], jnp.bfloat16)
+  >>> target = jnp.array([1.0078125, 2.984375], jnp.bfloat16)
+  >>> bool(jnp.all(optax.apply_updates(param, landing_update(param, target)) == target))
+  True
+  """
+  wide = numerics.compute_dtype(param.dtype)
+  update = _landing_update_wide(param.astype(wide), target.astype(wide), param.dtype)
+  return exact_cast(update, param.dtype)
+
+
+def landed(param: jax.Array, update: jax.Array) -> jax.Array:
+  """Where ``optax.apply_updates`` puts ``param``: ``(param + update)`` in the param dtype.
+
+  The sum of two bfloat16 (or float16) values is exact in float32 unless they are
+  more than 16 binades apart, and then the update is far below half an ulp and
+  both roundings give ``param``; so rounding the wide sum once (with
+  :func:`on_grid`, which no compiler skips) equals the narrow addition.
+  """
+  wide = numerics.compute_dtype(param.dtype)
+  return exact_cast(_landed_wide(param.astype(wide), update.astype(wide), param.dtype),
+                    param.dtype)
+
+
+def stochastic_write_back(param: jax.Array, exact_update: jax.Array, bits: jax.Array) -> jax.Array:
+  """Update that lands ``param`` on ``stochastic_round(param + exact_update)``.
+
+  ``target = stochastic_round(param_wide + exact_update, param.dtype, bits)``, then
+  :func:`landing_update`. The wide sum is itself rounded to nearest in float32
+  first: a bias below 2**-24 relative, far under the 2**-8 of a bfloat16 ulp.
+
+  Args:
+    param: the (narrow) param.
+    exact_update: the update in float32 (or float64).
+    bits: uint32 random bits of the param's shape (stream :data:`STREAM_PARAMS`).
+
+  Returns:
+    The update, in ``param.dtype``.
+  """
+  wide = numerics.compute_dtype(exact_update.dtype)
+  exact = param.astype(wide) + exact_update.astype(wide)
+  return landing_update(param, stochastic_round(exact, param.dtype, bits))
+
+
+def kahan_write_back(
+    param: jax.Array, exact_update: jax.Array, compensation: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Compensated write-back: round to nearest and carry what was lost into the next step.
+
+  With ``y = exact_update + compensation`` (wide) and ``exact = param + y``:
+  ``target = nearest(exact)`` (saturated), ``update = landing_update(param, target)``
+  and ``new_compensation = exact - landed(param, update)``, in the param dtype. The
+  compensation holds the true remainder even where the landing misses the target
+  (near zero, on a sign change), so nothing is lost but the rounding of the
+  compensation itself: a bfloat16 buffer keeps about 8 more bits, so updates below
+  about 2**-17 of the param still vanish, and after thousands of equal small
+  steps the param can drift by about an ulp from the exact sum.
+
+  >>> import jax.numpy as jnp, optax
+  >>> param, comp = jnp.array(1.0, jnp.bfloat16), jnp.zeros([], jnp.bfloat16)
+  >>> for _ in range(100):
+  ...   update, comp = kahan_write_back(param, jnp.array(1e-4), comp)
+  ...   param = optax.apply_updates(param, update)
+  >>> float(param), round(float(param) + float(comp), 4)  # exact: 1.01
+  (1.0078125, 1.0103)
+
+  Args:
+    param: the (narrow) param.
+    exact_update: the update in float32 (or float64).
+    compensation: last step's remainder, in ``param.dtype``.
+
+  Returns:
+    ``(update, new_compensation)``, both in ``param.dtype``.
+  """
+  wide = numerics.compute_dtype(exact_update.dtype)
+  dtype = param.dtype
+  param_wide = param.astype(wide)
+  exact = param_wide + (exact_update.astype(wide) + compensation.astype(wide))
+  # Everything stays wide, on the param dtype's grid, until it is stored: one
+  # rounding per step of the formula and no conversion pair for a compiler to drop.
+  update = _landing_update_wide(param_wide, on_grid(exact, dtype), dtype)
+  remainder = exact - _landed_wide(param_wide, update, dtype)
+  return exact_cast(update, dtype), round_to_nearest(remainder, dtype)
+
+
+def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
+          streams: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  r"""Wide ``values`` written into state of ``dtype``, each with the bits of its stream.
+
+  Rounded to nearest, or stochastically (:math:`\mathbb{E}[\mathrm{store}(x)] = x`) with
+  ``"stochastic"`` rounding when ``dtype`` is narrower than the values, so that a
+  bfloat16 moving average keeps moving. The arrays of one leaf are stored together
+  (its row and column statistics, say), each drawing from its own stream.
+  """
+  if how is None or not how.stochastic:
+    return tuple([x.astype(dtype) for x in values])
+  return tuple([
+      stochastic_round(x, dtype, how.bits(x.shape, stream))
+      if needs_rounding(dtype, x.dtype) else x.astype(dtype)
+      for x, stream in zip(values, streams, strict=True)
+  ])
+
+
+def write_back(
+    update: jax.Array, param: jax.Array | None, dtype: DTypeLike, how: Rounding | None,
+    compensation: jax.Array | None,
+) -> tuple[jax.Array, jax.Array | None]:
+  r"""The update :math:`\Delta` that ``optax.apply_updates`` adds, and the new compensation.
+
+  ``"nearest"`` (and every wide param): :math:`\Delta = \mathrm{cast}(u)` to ``dtype``
+  (the gradient's), finite values clamped to its range. ``"stochastic"``: :math:`\Delta`
+  lands the param on :math:`\mathrm{round}_{\mathrm{stoch}}(p + u)`. ``"kahan"``: it
+  lands on :math:`\mathrm{round}(p + u + c)`, and :math:`c` keeps what that rounding
+  lost. A narrow param's update is in the param's dtype.
+  """
+  if how is None or not needs_rounding(param.dtype, update.dtype):
+    return saturating_cast(update, dtype), compensation
+  if how.stochastic:
+    bits = how.bits(param.shape, bit_streams.STREAM_PARAMS)
+    return stochastic_write_back(param, update, bits), compensation
+  return kahan_write_back(param, update, compensation)
