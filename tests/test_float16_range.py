@@ -59,3 +59,42 @@ def test_large_weight_decay_saturates_too():
                                       params)
   np.testing.assert_array_equal(updates["w"], np.full((4, 3), -FLOAT16_MAX, np.float16))
   assert int(osf.skipped_steps(state)) == 0
+
+
+# --- one clamping rule in every write-back mode -------------------------------------------
+# 0.2 had two: the nearest cast turned an Inf update into +-65504 while the stochastic and
+# Kahan write-backs kept it Inf. The one rule: a finite value beyond the range saturates,
+# NaN and Inf pass through (so a guard, or a user with the guard off, sees them).
+
+
+def _write_back_of(mode, dtype, learning_rate, guard=False):
+  params = {"w": jnp.full((8, 6), 0.5, dtype)}
+  grads = {"w": jnp.asarray(np.linspace(-2.0, 2.0, 48).reshape(8, 6), dtype)}
+  tx = osf.safefactor(learning_rate, skip_nonfinite_steps=guard, param_rounding=mode,
+                      multiply_by_parameter_scale=False, clipping_threshold=None)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  return np.asarray(updates["w"], np.float64), np.asarray(grads["w"], np.float64)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
+def test_a_finite_overflow_saturates_in_every_mode(mode):
+  update, grad = _write_back_of(mode, jnp.float16, 1e9)
+  # Every non-zero gradient's update overflows float16: -sign(g) * 65504 after landing
+  # (the landed param, 0.5 + update, rounds to the same largest value).
+  nonzero = grad != 0
+  landed = np.asarray(jnp.asarray(0.5 + update, jnp.float16), np.float64)
+  np.testing.assert_array_equal(np.abs(landed[nonzero]), FLOAT16_MAX)
+  np.testing.assert_array_equal(np.sign(update[nonzero]), -np.sign(grad[nonzero]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
+def test_an_infinite_update_stays_infinite_in_every_mode(mode, dtype):
+  # A schedule that returns Inf, with the guard off: the update is -sign(g) * Inf
+  # wherever g != 0, whichever way it is written back.
+  update, grad = _write_back_of(mode, dtype, lambda count: jnp.inf)
+  nonzero = grad != 0
+  np.testing.assert_array_equal(update[nonzero], -np.sign(grad[nonzero]) * np.inf)
+  # With the guard on the same step is skipped: zero updates, in every mode.
+  guarded, _ = _write_back_of(mode, dtype, lambda count: jnp.inf, guard=True)
+  np.testing.assert_array_equal(guarded, 0.0)

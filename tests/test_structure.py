@@ -1,7 +1,9 @@
 """The codebase's shape, pinned: what a contributor may rely on when changing it."""
 
+import ast
 import inspect
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +28,82 @@ def test_every_option_is_declared_once_in_the_hyperparameters():
       assert renamed.get(name, name) in fields, (factory.__name__, name)
 
 
+def _is_self_subtraction(node: ast.AST) -> bool:
+  return (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+          and ast.dump(node.left) == ast.dump(node.right))
+
+
+def _called_name(node: ast.AST) -> str | None:
+  """``exp`` for ``jnp.exp(...)`` or ``exp(...)``: the last name of what is called."""
+  if not isinstance(node, ast.Call):
+    return None
+  func = node.func
+  return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+# Every primitive a hint is built from: a barrier, the exp that XLA does not duplicate
+# (computed_once), and x - x, which XLA does not fold (nan_unless_finite, finite_by_sum).
+HINT_PRIMITIVES = {
+    "optimization_barrier": lambda node: (isinstance(node, (ast.Attribute, ast.Name)) and
+                                          getattr(node, "attr", getattr(node, "id", None))
+                                          == "optimization_barrier"),
+    "exp": lambda node: _called_name(node) == "exp",
+    "x - x": _is_self_subtraction,
+}
+
+
+def _primitives_in(path: pathlib.Path) -> set[str]:
+  tree = ast.parse(path.read_text())
+  return {name for node in ast.walk(tree) for name, found in HINT_PRIMITIVES.items()
+          if found(node)}
+
+
 def test_compiler_hints_live_in_one_module():
-  # In 0.1 optimization_barrier and friends were threaded through the maths.
+  # In 0.1 optimization_barrier and friends were threaded through the maths; in 0.2 a
+  # finiteness hint lived in accumulate.py, where a grep for barriers could not see it.
+  assert _primitives_in(SRC / "xla_hints.py") == set(HINT_PRIMITIVES)
   for path in SRC.glob("*.py"):
     if path.name != "xla_hints.py":
-      assert "optimization_barrier" not in path.read_text(), path.name
+      assert not _primitives_in(path), (path.name, _primitives_in(path))
+
+
+def test_every_hint_is_used_and_pinned():
+  tree = ast.parse((SRC / "xla_hints.py").read_text())
+  hints = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+  others = " ".join(p.read_text() for p in SRC.glob("*.py") if p.name != "xla_hints.py")
+  tests = pathlib.Path(__file__).parent
+  for hint in hints:
+    assert f"xla_hints.{hint.name}(" in others, f"{hint.name} is used nowhere"
+    pinned = re.findall(r"``(tests/\w+\.py)(?:::(\w+))?``", ast.get_docstring(hint))
+    assert pinned, f"{hint.name} names no test that pins it"
+    for test_file, test_name in pinned:
+      text = (tests.parent / test_file).read_text()
+      assert not test_name or f"def {test_name}(" in text, (hint.name, test_file, test_name)
+
+
+def test_every_module_has_one_idea_and_a_bounded_size():
+  for path in sorted(SRC.glob("*.py")):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 500, f"{path.name}: {len(text.splitlines())} lines"
+    first_line = ast.get_docstring(ast.parse(text)).splitlines()[0]
+    assert first_line.endswith("."), f"{path.name}: its docstring's first line says its idea"
+
+
+def test_the_rounding_mode_is_read_in_one_module():
+  # 0.2 compared the mode string in four files and validated it twice.
+  for path in SRC.glob("*.py"):
+    if path.name != "write_back.py":
+      for mode in ("nearest", "stochastic", "kahan"):
+        assert f'== "{mode}"' not in path.read_text(), (path.name, mode)
+        assert f'!= "{mode}"' not in path.read_text(), (path.name, mode)
+
+
+def test_a_new_hyperparameter_is_forwarded_without_an_edit():
+  # Both factories build their Hyperparams from their own arguments (Hyperparams.of):
+  # a new option is a signature entry, its docstring, a field and its use, nothing more.
+  for factory in (osf.safefactor, osf.scale_by_safe_factored_rms):
+    source = inspect.getsource(factory)
+    assert "Hyperparams.of(locals()" in source, factory.__name__
 
 
 def test_factor_rules_run_once_per_leaf():

@@ -1,4 +1,4 @@
-"""Dtype rules shared by every transform: compute wide, store float32, cast back safely."""
+"""Dtype rules shared by every transform: compute wide, store float32, floor every divisor."""
 
 from __future__ import annotations
 
