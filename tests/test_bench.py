@@ -12,8 +12,8 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from optax_safefactor import bench
-from optax_safefactor.bench import minimum_traffic_bytes
+from optax_safefactor.benchmarks import bench
+from optax_safefactor.benchmarks.bench import minimum_traffic_bytes
 
 # The help's small run: 7 leaves compile fast, and at this scale the layers are factored
 # and the norms are not, so both kinds of leaf are measured.
@@ -113,7 +113,7 @@ def test_json_under_a_file_names_the_file(tmp_path, capsys, monkeypatch):
       f"{tmp_path / 'afile'} exists and is not a folder"]
 
 
-@pytest.mark.parametrize("module", ["bench.py", "demo.py", "__main__.py"])
+@pytest.mark.parametrize("module", ["bench.py", "demo.py", "rounding.py", "../__main__.py"])
 def test_command_line_uses_only_the_public_api(module):
   source = (pathlib.Path(bench.__file__).parent / module).read_text()
   imported = [node.module for node in ast.walk(ast.parse(source))

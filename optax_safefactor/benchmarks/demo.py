@@ -331,12 +331,21 @@ def wrap(text: str, indent: str = "", first: str | None = None) -> str:
                        subsequent_indent=indent)
 
 
-EPILOG = "subcommand:\n" + wrap(
-    "safefactor against optax.adafactor on model-shaped parameter trees: step time, "
-    "compile time, temporary and state memory, as ratios with their spread over "
-    "repetitions. A full run takes about 9 minutes and 16 GB of memory on a 2-core CPU; "
-    f"`{PROG} bench --help` lists its options and a run of under a minute.",
-    indent=" " * 12, first="  bench     ")
+SUBCOMMAND_HELP = {
+    "bench": "safefactor against optax.adafactor on model-shaped parameter trees: step "
+             "time, compile time, temporary and state memory, as ratios with their spread "
+             "over repetitions. A full run takes about 9 minutes and 16 GB of memory on a "
+             f"2-core CPU; `{PROG} bench --help` lists its options and a run of under a "
+             "minute.",
+    "bench-rounding": "the cost of safefactor's param_rounding modes on bfloat16 params, "
+                      "against 'nearest', and the bytes per parameter they keep. A full "
+                      "run takes about 4 minutes on a 2-core CPU; --small, seconds.",
+    "bench-accumulate": "accumulate_gradients against optax.MultiSteps and against "
+                        "safefactor alone: time per micro-batch, temporary bytes and "
+                        "compile time.",
+}
+EPILOG = "subcommands (SUBCOMMAND --help lists the options of each):\n" + "\n".join(
+    wrap(text, indent=" " * 20, first=f"  {name:<18}") for name, text in SUBCOMMAND_HELP.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
       prog=PROG,
       usage=f"{PROG} [-h] [--steps N] [--dtype DTYPE] [--out DIR] [--seed N]\n"
             f"       {' ' * len(PROG)} [--rounding-steps N] [--accumulate K]\n"
-            f"       {PROG} bench [-h] [options]",
+            f"       {PROG} {{bench,bench-rounding,bench-accumulate}} [-h] [options]",
       description=wrap(
           "Train a tiny transformer in float16 and bfloat16 with safefactor and with "
           "optax.adafactor, print a results table and write a plot of the loss curves."),

@@ -1,10 +1,10 @@
-"""``python -m optax_safefactor.bench_accumulate``: gradient accumulation, cond against select.
+"""``python -m optax_safefactor bench-accumulate``: gradient accumulation, cond against select.
 
 :func:`optax_safefactor.accumulate_gradients` runs ``inner.update`` under ``lax.cond``,
 only on the micro-batch that completes a group. The alternative computes it on every
 micro-batch and selects its outputs, as ``optax.MultiSteps`` does. This script measures
 both, and ``optax.MultiSteps`` itself, around ``safefactor`` on one of the benchmark's
-trees (``optax_safefactor.bench.TREES``), in one process with interleaved rounds:
+trees (``optax_safefactor.benchmarks.bench.TREES``), in one process with interleaved rounds:
 
 - time per micro-batch: each call of the compiled train step (update and
   ``apply_updates``, params and state donated) is timed on its own; the table gives
@@ -29,9 +29,9 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor import bench
 from optax_safefactor._src.accumulate import _accumulate
-from optax_safefactor.demo import plural
+from optax_safefactor.benchmarks import bench
+from optax_safefactor.benchmarks.demo import plural
 
 
 def candidates(every_k: int) -> dict[str, optax.GradientTransformation]:
@@ -132,7 +132,7 @@ def markdown(rows: Sequence[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_safefactor.bench_accumulate",
+      prog="python -m optax_safefactor bench-accumulate",
       description="accumulate_gradients with lax.cond against compute-and-select, and "
                   "optax.MultiSteps, around safefactor: time per micro-batch, temporary "
                   "bytes and compile time, with ratios to optax.MultiSteps.")

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor.demo import HelpFormatter, plural, unwritable_folder, wrap
+from optax_safefactor.benchmarks.demo import HelpFormatter, plural, unwritable_folder, wrap
 
 # optax's default, and safefactor's: smaller axes keep a full-size second moment.
 MIN_DIM_SIZE_TO_FACTOR = 128

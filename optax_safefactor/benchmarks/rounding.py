@@ -1,6 +1,6 @@
-"""``python -m optax_safefactor.bench_rounding``: what ``param_rounding`` costs, and what it saves.
+"""``python -m optax_safefactor bench-rounding``: what ``param_rounding`` costs, and what it saves.
 
-Two measurements on the benchmark's model-shaped trees (``optax_safefactor.bench.TREES``)
+Two measurements on the benchmark's model-shaped trees (``optax_safefactor.benchmarks.bench.TREES``)
 with bfloat16 params and gradients:
 
 - **Cost.** ``safefactor(param_rounding=mode)`` for each mode is compiled into the same
@@ -34,8 +34,8 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor import bench
-from optax_safefactor.demo import plural
+from optax_safefactor.benchmarks import bench
+from optax_safefactor.benchmarks.demo import plural
 
 MODES = ("nearest", "stochastic", "kahan")
 TREES = ("gpt2-small", "scanned-24")
@@ -203,7 +203,7 @@ Memory: bytes per parameter of the params and of everything the optimizer keeps 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_safefactor.bench_rounding",
+      prog="python -m optax_safefactor bench-rounding",
       description="The cost of safefactor's param_rounding modes on bfloat16 params (step "
                   "time against 'nearest', temporary bytes, state bytes per param) and the "
                   "memory story (optimizer and param bytes per parameter of AdamW with "
