@@ -113,7 +113,8 @@ def test_json_under_a_file_names_the_file(tmp_path, capsys, monkeypatch):
       f"{tmp_path / 'afile'} exists and is not a folder"]
 
 
-@pytest.mark.parametrize("module", ["bench.py", "demo.py", "rounding.py", "../__main__.py"])
+@pytest.mark.parametrize(
+    "module", ["bench.py", "common.py", "demo.py", "rounding.py", "../__main__.py"])
 def test_command_line_uses_only_the_public_api(module):
   source = (pathlib.Path(bench.__file__).parent / module).read_text()
   imported = [node.module for node in ast.walk(ast.parse(source))

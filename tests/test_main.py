@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from optax_safefactor.__main__ import SUBCOMMANDS
-from optax_safefactor.benchmarks import demo
+from optax_safefactor.benchmarks import common, demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -120,13 +120,13 @@ def test_unwritable_out_fails_before_training(tmp_path):
 
 
 def test_unwritable_folder_reasons(tmp_path):
-  assert demo.unwritable_folder(tmp_path / "a" / "b") is None
+  assert common.unwritable_folder(tmp_path / "a" / "b") is None
   assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe is removed
   (tmp_path / "file").write_text("")
   # The file in the way is named: in "--json dir/x.json" it is not the path the user wrote.
   named = f"{tmp_path / 'file'} exists and is not a folder"
-  assert demo.unwritable_folder(tmp_path / "file") == named
-  assert demo.unwritable_folder(tmp_path / "file" / "below") == named
+  assert common.unwritable_folder(tmp_path / "file") == named
+  assert common.unwritable_folder(tmp_path / "file" / "below") == named
 
 
 def _result(optimizer, dtype, steps, **fields):

@@ -31,7 +31,7 @@ import optax
 import optax_safefactor as osf
 from optax_safefactor._src.accumulate import _accumulate
 from optax_safefactor.benchmarks import bench
-from optax_safefactor.benchmarks.demo import plural
+from optax_safefactor.benchmarks.common import plural
 
 
 def candidates(every_k: int) -> dict[str, optax.GradientTransformation]:

@@ -29,7 +29,14 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor.benchmarks.demo import HelpFormatter, plural, unwritable_folder, wrap
+from optax_safefactor.benchmarks.common import (
+  HelpFormatter,
+  fail,
+  format_range,
+  json_problem,
+  plural,
+  wrap,
+)
 
 # optax's default, and safefactor's: smaller axes keep a full-size second moment.
 MIN_DIM_SIZE_TO_FACTOR = 128
@@ -340,12 +347,6 @@ def _millions(n: int) -> str:
   return f"{n / 1e6:.3g}M"
 
 
-def format_range(row: dict, name: str, scale: float, unit: str, digits: int) -> str:
-  """``min / median / max`` of a figure and its ``_min`` and ``_max``, scaled, with a unit."""
-  low, mid, high = (scale * row[key] for key in (f"{name}_min", name, f"{name}_max"))
-  return f"{low:.{digits}f} / {mid:.{digits}f} / {high:.{digits}f}{unit}"
-
-
 def markdown_header() -> str:
   header = [f"{c} (min / median / max)" if c in ("step", "roofline", "bandwidth") else c
             for c in COLUMNS]
@@ -446,19 +447,6 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def json_problem(path: pathlib.Path) -> str | None:
-  """Why ``--json path`` cannot be written, or None if it can; the benchmarks' one check.
-
-  Run before measuring, so that a bad path is not found out when the results are ready:
-  the path's folder is created and probed (:func:`unwritable_folder`), and the path must
-  not be a folder itself.
-  """
-  problem = unwritable_folder(path.parent)
-  if problem is None and path.is_dir():
-    problem = "it is a folder"
-  return problem
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
@@ -467,9 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.json is not None:
     problem = json_problem(args.json)
     if problem is not None:
-      print(f"{parser.prog}: error: cannot write --json {args.json}: {problem}",
-            file=sys.stderr)
-      return 2
+      return fail(parser.prog, f"cannot write --json {args.json}: {problem}")
   print(f"backend: {jax.default_backend()}, {plural(len(jax.devices()), 'device')}: "
         f"{jax.devices()[0].device_kind}", file=sys.stderr)
   # A full run takes long and can run out of memory on its largest tree: each tree's rows

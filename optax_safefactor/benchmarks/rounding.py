@@ -35,7 +35,7 @@ import optax
 
 import optax_safefactor as osf
 from optax_safefactor.benchmarks import bench
-from optax_safefactor.benchmarks.demo import plural
+from optax_safefactor.benchmarks.common import fail, format_range, json_problem, plural
 
 MODES = ("nearest", "stochastic", "kahan")
 TREES = ("gpt2-small", "scanned-24")
@@ -173,7 +173,7 @@ def cost_markdown(rows: Sequence[dict]) -> str:
         f"{r['temp_bytes'] / 1e6:.1f} MB ({r.get('temp_ratio', float('nan')):.2f}x)")
     lines.append(
         f"| {r['tree']} ({r['params'] / 1e6:.3g}M, {r['leaves']} leaves) | {r['config']} "
-        f"| {r['mode']} | {bench.format_range(r, 'step_ratio', 1, 'x', 2)} "
+        f"| {r['mode']} | {format_range(r, 'step_ratio', 1, 'x', 2)} "
         f"| {r['step_s'] * 1e3:.1f} ms | {temp} "
         f"| {r['compile_s']:.1f} s | {r['state_bytes_per_param']:.3f} |")
   return "\n".join(lines)
@@ -240,9 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not 0 < args.scale <= 4 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4] and --repetitions at least 1")
   if args.json is not None:
-    problem = bench.json_problem(args.json)
+    problem = json_problem(args.json)
     if problem is not None:
-      parser.error(f"cannot write --json {args.json}: {problem}")
+      return fail(parser.prog, f"cannot write --json {args.json}: {problem}")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
         f"{plural(len(jax.devices()), 'device')}: {jax.devices()[0].device_kind}",
         file=sys.stderr)
