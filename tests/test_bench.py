@@ -12,7 +12,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from optax_safefactor.benchmarks import bench
+from optax_safefactor.benchmarks import bench, common, trees
 from optax_safefactor.benchmarks.bench import minimum_traffic_bytes
 
 # The help's small run: 7 leaves compile fast, and at this scale the layers are factored
@@ -85,7 +85,7 @@ def test_bench_help_documents_every_option_and_duration(tmp_path):
   result = _bench("--help", cwd=tmp_path)
   assert result.returncode == 0
   text = " ".join(result.stdout.split())
-  for tree in bench.TREES:
+  for tree in trees.TREES:
     assert tree in text
   assert "A full run (the defaults) takes about" in text and "minutes" in text
   assert f"a small one ({' '.join(SMALL_RUN)}) about" in text
@@ -150,16 +150,16 @@ def test_timed_calls_run_without_garbage_collection(monkeypatch):
   # run (the 600-leaf tree's third round of safefactor: 170 ms where the others took
   # 30 ms) and showed as a 4x max step ratio. It now runs before each round, not in it.
   enabled_at_each_clock_read = []
-  clock = bench.time.perf_counter
+  clock = common.time.perf_counter
 
   def recording_clock():
     # The patch reaches every reader of time.perf_counter (JAX's own timers too): count
-    # the benchmark's reads only.
-    if sys._getframe(1).f_globals.get("__name__") == bench.__name__:
+    # the reads of the benchmarks' compiling and timing helpers only.
+    if sys._getframe(1).f_globals.get("__name__") == common.__name__:
       enabled_at_each_clock_read.append(gc.isenabled())
     return clock()
 
-  monkeypatch.setattr(bench.time, "perf_counter", recording_clock)
+  monkeypatch.setattr(common.time, "perf_counter", recording_clock)
   rows = bench.measure("scanned-24", "float32", 0.05, 2)
   assert gc.isenabled()
   # Each of 3 rounds reads the clock twice per optimizer and twice for the copy, with the
