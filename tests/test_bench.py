@@ -9,7 +9,9 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 from optax_safefactor.benchmarks import bench, common, trees
@@ -124,11 +126,14 @@ def test_command_line_uses_only_the_public_api(module):
   assert not [name for name in imported if "._src" in name or name.endswith("_src")]
 
 
-def test_factored_axes_follow_optax():
-  assert bench.factored_axes((300, 200)) == (1, 0)
-  assert bench.factored_axes((4, 300, 200)) == (2, 1)
-  assert bench.factored_axes((300, 100)) is None
-  assert bench.factored_axes((1024,)) is None
+def test_factoring_is_the_librarys_and_follows_optax():
+  # The benchmark once kept a copy of the factoring rule; it now asks safefactor's init.
+  params = {"a": jnp.zeros((300, 200)), "b": jnp.zeros((4, 300, 200)),
+            "c": jnp.zeros((300, 100)), "d": jnp.zeros((1024,))}
+  assert bench.is_factored(params) == [True, True, False, False]
+  # optax keeps a (1,)-shaped placeholder for the full statistic of a leaf it factors.
+  full = jax.tree.leaves(optax.scale_by_factored_rms().init(params).v)
+  assert bench.is_factored(params) == [v.shape == (1,) for v in full]
   # Rows drop the largest axis, columns the second largest; the unfactored leaf is whole.
   params = {"w": jnp.zeros((4, 300, 200)), "b": jnp.zeros((300, 100))}
   assert bench.minimum_state_bytes(params, momentum=False) == (

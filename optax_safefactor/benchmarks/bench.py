@@ -30,38 +30,33 @@ import optax_safefactor as osf
 from optax_safefactor.benchmarks import common, trees
 from optax_safefactor.benchmarks.common import HelpFormatter, format_range, plural, wrap
 
-# optax's default, and safefactor's: smaller axes keep a full-size second moment.
-MIN_DIM_SIZE_TO_FACTOR = 128
 
+def second_moments(params: dict) -> list:
+  """Per leaf of ``params``, the second moment ``safefactor`` keeps for it, as shapes.
 
-def factored_axes(shape: Sequence[int]) -> tuple[int, int] | None:
-  """The axes a factored second moment averages over (the two largest), or None.
-
-  The rule of ``optax.scale_by_factored_rms``, which ``safefactor`` follows by default:
-  a leaf is factored when its second-largest axis has at least
-  ``MIN_DIM_SIZE_TO_FACTOR`` elements. Ties go to the earlier axis.
-
-  >>> factored_axes((300, 200)), factored_axes((4, 300, 200)), factored_axes((300, 100))
-  ((1, 0), (2, 1), None)
+  A :class:`~optax_safefactor.FactoredMoment` (row and column statistics) or a
+  :class:`~optax_safefactor.FullMoment` (one per element), from ``init`` traced by
+  ``jax.eval_shape`` (nothing allocated): the library's own factoring rule, not a copy of
+  it that could drift.
   """
-  if len(shape) < 2:
-    return None
-  second, largest = (int(axis) for axis in np.argsort(np.asarray(shape), kind="stable")[-2:])
-  if shape[second] < MIN_DIM_SIZE_TO_FACTOR:
-    return None
-  return second, largest
+  state = jax.eval_shape(osf.safefactor(1e-3).init, params)
+  moments = optax.tree_utils.tree_get(state, "second_moment")
+  return jax.tree.leaves(
+      moments, is_leaf=lambda x: isinstance(x, (osf.FactoredMoment, osf.FullMoment)))
+
+
+def is_factored(params: dict) -> list[bool]:
+  """Per leaf of ``params``: whether ``safefactor`` factors its second moment."""
+  return [isinstance(moment, osf.FactoredMoment) for moment in second_moments(params)]
 
 
 def minimum_state_bytes(params: dict, momentum: bool) -> int:
   """float32 rows + columns per factored leaf, the full size per other leaf, a few scalars."""
   total = 64
-  for p in jax.tree.leaves(params):
-    axes = factored_axes(p.shape)
-    if axes is None:
-      total += 4 * p.size
-    else:
-      # One statistic drops the largest axis, the other the second largest.
-      total += 4 * sum(p.size // p.shape[axis] for axis in axes)
+  for p, moment in zip(jax.tree.leaves(params), second_moments(params), strict=True):
+    # The statistics' count at 4 bytes each: a factored leaf's rows and columns (one drops
+    # the largest axis, the other the second largest), or every element of another leaf.
+    total += 4 * common.count(moment)
     if momentum:
       total += 4 * p.size
   return total
@@ -78,12 +73,12 @@ def minimum_traffic_bytes(params: dict, momentum: bool) -> int:
   Momentum is read and written once. The scale-copy roofline moves 3 parameter sizes.
   """
   total = 0
-  for p in jax.tree.leaves(params):
+  for p, factored in zip(jax.tree.leaves(params), is_factored(params), strict=True):
     size = p.dtype.itemsize * p.size
-    if factored_axes(p.shape) is None:
-      total += 2 * size + 3 * 4 * p.size + 3 * size
-    else:
+    if factored:
       total += 3 * size + 3 * size
+    else:
+      total += 2 * size + 3 * 4 * p.size + 3 * size
     if momentum:
       total += 2 * 4 * p.size
   return total
@@ -146,12 +141,11 @@ def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[
     row["compile_ratio"] = row["compile_s"] / base["compile_s"]
     if row["temp_bytes"] is not None and base["temp_bytes"]:
       row["temp_ratio"] = row["temp_bytes"] / base["temp_bytes"]
-  n_params = common.count(params)
+  n_params, factored_leaves = common.count(params), sum(is_factored(params))
   for row in rows.values():
     row["params"] = n_params
     row["leaves"] = len(jax.tree.leaves(params))
-    row["factored_leaves"] = sum(factored_axes(p.shape) is not None
-                                 for p in jax.tree.leaves(params))
+    row["factored_leaves"] = factored_leaves
     row["repetitions"] = repetitions
   return list(rows.values())
 
