@@ -1,5 +1,6 @@
-"""The accumulation benchmark's command line: its checks and what it prints."""
+"""The accumulation benchmark: its command line, its checks, and what it measures."""
 
+import jax
 import pytest
 
 from optax_safefactor.benchmarks import accumulate
@@ -25,3 +26,21 @@ def test_one_repetition_is_one_group(capsys, monkeypatch):
   captured = capsys.readouterr()
   assert "median of 1 group;" in captured.out  # once "1 groups"
   assert "device(s)" not in captured.err
+
+
+def test_compares_the_public_accumulations_alone(capsys):
+  # A tiny tree: seconds to compile. What is checked is the shape of the answer.
+  with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float counts
+    rows = accumulate.measure("scanned-24", scale=0.05, every_k=2, repetitions=1)
+  assert [row["optimizer"] for row in rows] == [
+      "accumulate_gradients", "optax.MultiSteps", "safefactor alone"]
+  by_name = {row["optimizer"]: row for row in rows}
+  for key in ("accumulate_s", "step_s", "group_s", "compile_s"):
+    assert by_name["optax.MultiSteps"][f"{key}_ratio"] == 1
+    assert by_name["accumulate_gradients"][key] > 0
+  # safefactor alone steps on every call: it has no accumulating micro-batch.
+  alone = by_name["safefactor alone"]
+  assert alone["accumulate_s"] != alone["accumulate_s"] and alone["step_s"] == alone["group_s"]
+  table = accumulate.markdown(rows).splitlines()
+  assert len(table) == 2 + len(rows)
+  assert table[-1].startswith("| safefactor alone | n/a | ")

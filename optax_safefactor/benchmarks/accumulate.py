@@ -1,10 +1,11 @@
-"""``python -m optax_safefactor bench-accumulate``: gradient accumulation, cond against select.
+"""``python -m optax_safefactor bench-accumulate``: accumulate_gradients against optax.MultiSteps.
 
-:func:`optax_safefactor.accumulate_gradients` runs ``inner.update`` under ``lax.cond``,
-only on the micro-batch that completes a group. The alternative computes it on every
-micro-batch and selects its outputs, as ``optax.MultiSteps`` does. This script measures
-both, and ``optax.MultiSteps`` itself, around ``safefactor`` on one of the benchmark's
-trees (``optax_safefactor.benchmarks.trees.TREES``), in one process with interleaved rounds:
+:func:`optax_safefactor.accumulate_gradients` runs ``inner.update`` only on the
+micro-batch that completes a group, and leaves a non-finite micro-batch out;
+``optax.MultiSteps`` computes ``inner.update`` on every micro-batch and selects its
+outputs. This script measures both around the same ``safefactor``, and ``safefactor``
+alone (a step on every micro-batch), on one of the benchmark's trees (:mod:`.trees`), in
+one process with interleaved rounds:
 
 - time per micro-batch: each call of the compiled train step (update and
   ``apply_updates``, params and state donated) is timed on its own; the table gives
@@ -27,7 +28,6 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor._src.accumulate import _accumulate
 from optax_safefactor.benchmarks import common, trees
 from optax_safefactor.benchmarks.common import plural
 
@@ -36,14 +36,13 @@ ALONE = "safefactor alone"
 
 
 def candidates(every_k: int) -> dict[str, optax.GradientTransformation]:
-  """The transformations compared, each around the same ``safefactor``."""
+  """The transformations compared: both accumulations around the same ``safefactor``, and it."""
 
   def inner():
     return osf.safefactor(1e-3)
 
   return {
-      "accumulate_gradients (cond)": _accumulate(inner(), every_k, "cond"),
-      "accumulate_gradients (select)": _accumulate(inner(), every_k, "select"),
+      "accumulate_gradients": osf.accumulate_gradients(inner(), every_k),
       "optax.MultiSteps": optax.MultiSteps(inner(), every_k),
       ALONE: inner(),
   }
@@ -103,8 +102,8 @@ def markdown(rows: Sequence[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="python -m optax_safefactor bench-accumulate",
-      description="accumulate_gradients with lax.cond against compute-and-select, and "
-                  "optax.MultiSteps, around safefactor: time per micro-batch, temporary "
+      description="accumulate_gradients against optax.MultiSteps and against safefactor "
+                  "alone, each around the same safefactor: time per micro-batch, temporary "
                   "bytes and compile time, with ratios to optax.MultiSteps.")
   parser.add_argument("--tree", choices=sorted(trees.TREES), default="600-leaves",
                       help="the parameter tree, one of the benchmark's (600-leaves)")
