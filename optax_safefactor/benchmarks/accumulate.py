@@ -4,7 +4,7 @@
 micro-batch that completes a group, and leaves a non-finite micro-batch out;
 ``optax.MultiSteps`` computes ``inner.update`` on every micro-batch and selects its
 outputs. This script measures both around the same ``safefactor``, and ``safefactor``
-alone (a step on every micro-batch), on one of the benchmark's trees (:mod:`.trees`), in
+alone (a step on every micro-batch), on one of the benchmarks' trees (:mod:`.trees`), in
 one process with interleaved rounds:
 
 - time per micro-batch: each call of the compiled train step (update and

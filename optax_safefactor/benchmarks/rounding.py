@@ -1,7 +1,7 @@
 """``python -m optax_safefactor bench-rounding``: what ``param_rounding`` costs, and what it saves.
 
-Two measurements on the benchmark's model-shaped trees (``optax_safefactor.benchmarks.trees.TREES``)
-with bfloat16 params and gradients:
+Two measurements on the benchmarks' model-shaped trees (:mod:`.trees`) with bfloat16 params
+and gradients:
 
 - **Cost.** ``safefactor(param_rounding=mode)`` for each mode is compiled into the same
   train step (update and ``apply_updates``, params and state donated) and timed in
