@@ -57,6 +57,12 @@ def main(readme: pathlib.Path) -> None:
                              capture_output=True, text=True, check=True).stdout
   assert "usage:" in help_text, help_text
   print("python -m optax_safefactor --help: ok")
+  # Each subcommand too: its module (optax_safefactor.benchmarks) came with the wheel.
+  for subcommand in ("bench", "bench-rounding", "bench-accumulate"):
+    help_text = subprocess.run([sys.executable, "-m", "optax_safefactor", subcommand, "--help"],
+                               capture_output=True, text=True, check=True).stdout
+    assert help_text.startswith(f"usage: python -m optax_safefactor {subcommand} "), help_text
+  print("python -m optax_safefactor SUBCOMMAND --help: ok")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,24 @@
-"""``python -m optax_safefactor``: the demo; ``python -m optax_safefactor bench``: the benchmark."""
+"""``python -m optax_safefactor``: the demo, with the benchmarks as subcommands.
 
+A first argument named in :data:`SUBCOMMANDS` runs that module of
+:mod:`optax_safefactor.benchmarks` on the arguments after it; anything else is the demo's
+command line.
+"""
+
+import importlib
 import sys
+
+# Subcommand -> module of optax_safefactor.benchmarks. Imported only when asked for.
+SUBCOMMANDS = {"bench": "bench", "bench-rounding": "rounding", "bench-accumulate": "accumulate"}
 
 
 def _main() -> int:
-  if sys.argv[1:2] == ["bench"]:
-    from optax_safefactor.bench import main
+  name = SUBCOMMANDS.get(sys.argv[1]) if len(sys.argv) > 1 else None
+  if name is None:
+    from optax_safefactor.benchmarks.demo import main
 
-    return main(sys.argv[2:])
-  from optax_safefactor.demo import main
-
-  return main()
+    return main()
+  return importlib.import_module(f"optax_safefactor.benchmarks.{name}").main(sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from optax_safefactor import demo
+from optax_safefactor.__main__ import SUBCOMMANDS
+from optax_safefactor.benchmarks import common, demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -93,9 +94,12 @@ def test_seed_outside_what_jax_and_numpy_take_is_a_usage_error(seed, capsys):
 def test_help(tmp_path):
   result = _run("--help", cwd=tmp_path)
   assert result.returncode == 0 and "--dtype" in result.stdout and "--seed" in result.stdout
-  # The benchmark is a subcommand, found from the top-level help with what it costs.
-  assert "python -m optax_safefactor bench" in result.stdout
-  assert "bench --help" in result.stdout and "minutes" in result.stdout
+  # The benchmarks are subcommands, found from the top-level help with what they cost.
+  words = " ".join(result.stdout.split())  # as read, wherever argparse wrapped it
+  assert "python -m optax_safefactor bench" in words
+  assert "bench --help" in words and "minutes" in words
+  for name in SUBCOMMANDS:
+    assert f"\n  {name} " in result.stdout, name
 
 
 def test_every_option_is_documented():
@@ -116,13 +120,13 @@ def test_unwritable_out_fails_before_training(tmp_path):
 
 
 def test_unwritable_folder_reasons(tmp_path):
-  assert demo.unwritable_folder(tmp_path / "a" / "b") is None
+  assert common.unwritable_folder(tmp_path / "a" / "b") is None
   assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe is removed
   (tmp_path / "file").write_text("")
   # The file in the way is named: in "--json dir/x.json" it is not the path the user wrote.
   named = f"{tmp_path / 'file'} exists and is not a folder"
-  assert demo.unwritable_folder(tmp_path / "file") == named
-  assert demo.unwritable_folder(tmp_path / "file" / "below") == named
+  assert common.unwritable_folder(tmp_path / "file") == named
+  assert common.unwritable_folder(tmp_path / "file" / "below") == named
 
 
 def _result(optimizer, dtype, steps, **fields):
@@ -214,11 +218,14 @@ def test_short_runs_label_their_window_and_show_every_curve():
     plt.close(figure)
 
 
-@pytest.mark.parametrize("module", ["demo", "bench", "bench_rounding", "bench_accumulate"])
+MODULES = ["demo", *SUBCOMMANDS.values()]
+
+
+@pytest.mark.parametrize("module", MODULES)
 def test_help_prints_every_option_as_written(module):
   # argparse treats a help string as a %-format: a bare "18% above" once printed the option's
   # whole attribute dict in the middle of --help.
-  parser = importlib.import_module(f"optax_safefactor.{module}").build_parser()
+  parser = importlib.import_module(f"optax_safefactor.benchmarks.{module}").build_parser()
   # Compared without whitespace: argparse rewraps the text, and may break at a hyphen.
   rendered = "".join(parser.format_help().split())
   for action in parser._actions:
@@ -229,11 +236,23 @@ def test_help_prints_every_option_as_written(module):
     assert "".join(written.split()) in rendered, action.option_strings
 
 
-@pytest.mark.parametrize("module", ["demo", "bench", "bench_rounding", "bench_accumulate"])
+def _help(*command, cwd):
+  return subprocess.run(
+      [sys.executable, "-m", *command, "--help"], cwd=cwd,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("module", MODULES)
 def test_every_entry_point_runs_as_a_module(module, tmp_path):
   # `python -m optax_safefactor.bench` (and .demo) once printed nothing and exited 0.
-  result = subprocess.run(
-      [sys.executable, "-m", f"optax_safefactor.{module}", "--help"], cwd=tmp_path,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+  result = _help(f"optax_safefactor.benchmarks.{module}", cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("usage: python -m optax_safefactor"), result.stdout[:200]
+
+
+@pytest.mark.parametrize("subcommand", sorted(SUBCOMMANDS))
+def test_every_subcommand_answers_its_own_help(subcommand, tmp_path):
+  # Not the demo's help: the subcommand's parser, under the name that runs it.
+  result = _help("optax_safefactor", subcommand, cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith(f"usage: python -m optax_safefactor {subcommand} ")

@@ -1,7 +1,7 @@
-"""``python -m optax_safefactor.bench_rounding``: what ``param_rounding`` costs, and what it saves.
+"""``python -m optax_safefactor bench-rounding``: what ``param_rounding`` costs, and what it saves.
 
-Two measurements on the benchmark's model-shaped trees (``optax_safefactor.bench.TREES``)
-with bfloat16 params and gradients:
+Two measurements on the benchmarks' model-shaped trees (:mod:`.trees`) with bfloat16 params
+and gradients:
 
 - **Cost.** ``safefactor(param_rounding=mode)`` for each mode is compiled into the same
   train step (update and ``apply_updates``, params and state donated) and timed in
@@ -25,7 +25,6 @@ import argparse
 import json
 import pathlib
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -34,8 +33,8 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor import bench
-from optax_safefactor.demo import plural
+from optax_safefactor.benchmarks import common, trees
+from optax_safefactor.benchmarks.common import format_range
 
 MODES = ("nearest", "stochastic", "kahan")
 TREES = ("gpt2-small", "scanned-24")
@@ -48,65 +47,30 @@ CONFIGS = {
 SMALL = dict(trees=["scanned-24"], scale=0.2, repetitions=2, configs=["default"])
 
 
-def _train_step(tx: optax.GradientTransformation) -> Callable:
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
-def _nbytes(tree) -> int:
-  return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
-                 for x in jax.tree.leaves(tree)))
-
-
-def _count(tree) -> int:
-  return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)))
-
-
 def measure(tree: str, scale: float, repetitions: int, config: str) -> list[dict]:
   """One row per mode: step time (and its ratio to "nearest"), temp bytes, state bytes."""
-  params = bench.make_params(bench.TREES[tree](scale), jnp.bfloat16)
-  grads = jax.tree.map(lambda p: (p * 0.5 + 0.001).astype(p.dtype), params)
-  n_params = _count(params)
-  rows, runners = {}, {}
+  params, grads = trees.params_and_grads(tree, scale, "bfloat16")
+  n_params = common.count(params)
+  rows, compiled = {}, {}
   for mode in MODES:
     tx = osf.safefactor(**CONFIGS[config], param_rounding=mode)
     state = tx.init(params)
-    start = time.perf_counter()
-    compiled = jax.jit(_train_step(tx), donate_argnums=(0, 1)).lower(
-        params, state, grads).compile()
-    compile_s = time.perf_counter() - start
-    memory = compiled.memory_analysis()
+    compiled[mode] = common.compile_step(common.train_step(tx), params, state, grads)
     rows[mode] = {
         "tree": tree, "scale": scale, "config": config, "mode": mode, "params": n_params,
-        "leaves": len(jax.tree.leaves(params)), "compile_s": compile_s,
-        "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
-        "state_bytes": _nbytes(state), "state_bytes_per_param": _nbytes(state) / n_params,
+        "leaves": len(jax.tree.leaves(params)), "compile_s": compiled[mode].compile_s,
+        "temp_bytes": compiled[mode].temp_bytes, "state_bytes": common.nbytes(state),
+        "state_bytes_per_param": common.nbytes(state) / n_params,
         "step_s_rounds": [], "repetitions": repetitions,
     }
-    runners[mode] = [compiled, jax.tree.map(jnp.copy, params), state]
-    print(f"  compiled {tree} / {config} / {mode} in {compile_s:.1f} s", file=sys.stderr,
-          flush=True)
-  for round_index in range(repetitions + 1):  # round 0 warms up and is dropped
-    with bench.without_garbage_collection():
-      for mode, runner in runners.items():
-        compiled, p, s = runner
-        start = time.perf_counter()
-        p, s = compiled(p, s, grads)
-        jax.block_until_ready((p, s))
-        if round_index:
-          rows[mode]["step_s_rounds"].append(time.perf_counter() - start)
-        runner[1:] = [p, s]
+    print(f"  compiled {tree} / {config} / {mode} in {compiled[mode].compile_s:.1f} s",
+          file=sys.stderr, flush=True)
+  for mode, rounds in common.time_rounds(compiled, grads, repetitions).items():
+    rows[mode]["step_s_rounds"] = [calls[0] for calls in rounds]
   base = rows["nearest"]
   for row in rows.values():
-    rounds = np.asarray(row["step_s_rounds"])
-    row["step_s"] = float(np.median(rounds))
-    # Round by round: a slow moment of the machine lands on both sides of one round's ratio.
-    per_round = rounds / np.asarray(base["step_s_rounds"])
-    row["step_ratio"] = row["step_s"] / base["step_s"]
-    row["step_ratio_min"], row["step_ratio_max"] = float(per_round.min()), float(per_round.max())
+    row["step_s"] = float(np.median(row["step_s_rounds"]))
+    common.ratio_with_spread(row, "step_ratio", row["step_s_rounds"], base["step_s_rounds"])
     if row["temp_bytes"] is not None and base["temp_bytes"]:
       row["temp_ratio"] = row["temp_bytes"] / base["temp_bytes"]
   return list(rows.values())
@@ -147,19 +111,17 @@ def _memory_candidates() -> dict[str, tuple[str, Callable]]:
 
 def memory_story(tree: str, scale: float) -> list[dict]:
   """Bytes per parameter of the params plus everything the optimizer keeps, per candidate."""
-  shapes = bench.TREES[tree](scale)
   rows = []
   for name, (dtype, build) in _memory_candidates().items():
-    params = jax.tree.map(lambda shape, d=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(d)),
-                          shapes, is_leaf=lambda x: isinstance(x, tuple))
+    params = trees.shape_structs(tree, scale, dtype)
     kept = jax.eval_shape(build, params)
-    n_params = _count(params)
-    param_bytes = _nbytes(params)
+    n_params = common.count(params)
+    param_bytes = common.nbytes(params)
     rows.append({
         "tree": tree, "scale": scale, "optimizer": name, "params": n_params,
         "param_bytes_per_param": param_bytes / n_params,
-        "optimizer_bytes_per_param": (_nbytes(kept) - param_bytes) / n_params,
-        "total_bytes_per_param": _nbytes(kept) / n_params,
+        "optimizer_bytes_per_param": (common.nbytes(kept) - param_bytes) / n_params,
+        "total_bytes_per_param": common.nbytes(kept) / n_params,
     })
   return rows
 
@@ -173,7 +135,7 @@ def cost_markdown(rows: Sequence[dict]) -> str:
         f"{r['temp_bytes'] / 1e6:.1f} MB ({r.get('temp_ratio', float('nan')):.2f}x)")
     lines.append(
         f"| {r['tree']} ({r['params'] / 1e6:.3g}M, {r['leaves']} leaves) | {r['config']} "
-        f"| {r['mode']} | {bench.format_range(r, 'step_ratio', 1, 'x', 2)} "
+        f"| {r['mode']} | {format_range(r, 'step_ratio', 1, 'x', 2)} "
         f"| {r['step_s'] * 1e3:.1f} ms | {temp} "
         f"| {r['compile_s']:.1f} s | {r['state_bytes_per_param']:.3f} |")
   return "\n".join(lines)
@@ -203,7 +165,7 @@ Memory: bytes per parameter of the params and of everything the optimizer keeps 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_safefactor.bench_rounding",
+      prog="python -m optax_safefactor bench-rounding",
       description="The cost of safefactor's param_rounding modes on bfloat16 params (step "
                   "time against 'nearest', temporary bytes, state bytes per param) and the "
                   "memory story (optimizer and param bytes per parameter of AdamW with "
@@ -213,9 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
           f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
           for k, v in SMALL.items()) + " (seconds; for tests). The full run (the "
       "defaults) takes about 4 minutes on a 2-core CPU.")
-  parser.add_argument("--trees", nargs="+", choices=sorted(bench.TREES), default=list(TREES),
+  parser.add_argument("--trees", nargs="+", choices=sorted(trees.TREES), default=list(TREES),
                       metavar="TREE", help="parameter trees, any of "
-                      f"{', '.join(sorted(bench.TREES))} ({' '.join(TREES)})")
+                      f"{', '.join(sorted(trees.TREES))} ({' '.join(TREES)})")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="multiply the trees' widths and vocabularies by this, in (0, 4]; "
                            "below about 0.17 no leaf is factored (1.0)")
@@ -240,12 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not 0 < args.scale <= 4 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4] and --repetitions at least 1")
   if args.json is not None:
-    problem = bench.json_problem(args.json)
+    problem = common.json_problem(args.json)
     if problem is not None:
-      parser.error(f"cannot write --json {args.json}: {problem}")
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{plural(len(jax.devices()), 'device')}: {jax.devices()[0].device_kind}",
-        file=sys.stderr)
+      return common.fail(parser.prog, f"cannot write --json {args.json}: {problem}")
+  print(common.backend_summary(), file=sys.stderr)
   cost, memory = [], []
   for tree in args.trees:
     for config in args.configs:

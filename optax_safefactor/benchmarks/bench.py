@@ -14,14 +14,12 @@ column; it is printed under the table. Runs unchanged on CPU, GPU and TPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import pathlib
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,106 +27,36 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor.demo import HelpFormatter, plural, unwritable_folder, wrap
-
-# optax's default, and safefactor's: smaller axes keep a full-size second moment.
-MIN_DIM_SIZE_TO_FACTOR = 128
+from optax_safefactor.benchmarks import common, trees
+from optax_safefactor.benchmarks.common import HelpFormatter, format_range, plural, wrap
 
 
-def gpt2_small(scale: float) -> dict:
-  width, vocab = int(768 * scale), int(50257 * scale)
-  tree = {"wte": (vocab, width), "wpe": (1024, width), "ln_f": {"scale": (width,)}}
-  for i in range(12):
-    tree[f"h{i}"] = {
-        "ln1": {"scale": (width,), "bias": (width,)}, "ln2": {"scale": (width,), "bias": (width,)},
-        "attn": {"kernel": (width, 3 * width), "bias": (3 * width,)},
-        "proj": {"kernel": (width, width), "bias": (width,)},
-        "fc": {"kernel": (width, 4 * width), "bias": (4 * width,)},
-        "out": {"kernel": (4 * width, width), "bias": (width,)},
-    }
-  return tree
+def second_moments(params: dict) -> list:
+  """Per leaf of ``params``, the second moment ``safefactor`` keeps for it, as shapes.
 
-
-def vit_b16(scale: float) -> dict:
-  width = int(768 * scale)
-  tree = {"patch": {"kernel": (16, 16, 3, width), "bias": (width,)}, "cls": (1, 1, width),
-          "pos": (1, 197, width), "head": {"kernel": (width, 1000), "bias": (1000,)},
-          "norm": {"scale": (width,), "bias": (width,)}}
-  for i in range(12):
-    tree[f"block{i}"] = {
-        "ln1": {"scale": (width,), "bias": (width,)}, "ln2": {"scale": (width,), "bias": (width,)},
-        "qkv": {"kernel": (width, 3 * width), "bias": (3 * width,)},
-        "proj": {"kernel": (width, width), "bias": (width,)},
-        "mlp1": {"kernel": (width, 4 * width), "bias": (4 * width,)},
-        "mlp2": {"kernel": (4 * width, width), "bias": (width,)},
-    }
-  return tree
-
-
-def scanned_24_layers(scale: float) -> dict:
-  width, layers = int(768 * scale), 24
-  return {
-      "embed": (int(32000 * scale), width),
-      "layers": {
-          "ln1": (layers, width), "ln2": (layers, width),
-          "qkv": (layers, width, 3 * width), "proj": (layers, width, width),
-          "mlp1": (layers, width, 4 * width), "mlp2": (layers, 4 * width, width),
-      },
-  }
-
-
-def unscanned_600_leaves(scale: float) -> dict:
-  width = max(int(128 * scale), 8)
-  return {f"layer{i}": {
-      "up": (width, 4 * width), "up_bias": (4 * width,), "down": (4 * width, width),
-      "down_bias": (width,), "norm_scale": (width,), "norm_bias": (width,),
-      "query": (width, width), "key": (width, width), "value": (width, width),
-      "out": (width, width), "query_bias": (width,), "out_bias": (width,),
-  } for i in range(50)}
-
-
-TREES: dict[str, Callable[[float], dict]] = {
-    "gpt2-small": gpt2_small, "vit-b16": vit_b16, "scanned-24": scanned_24_layers,
-    "600-leaves": unscanned_600_leaves,
-}
-
-
-def make_params(shapes: dict, dtype) -> dict:
-  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-  keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-  return jax.tree.unflatten(
-      treedef, [(jax.random.normal(k, s, jnp.float32) * 0.02).astype(dtype)
-                for k, s in zip(keys, leaves, strict=True)])
-
-
-def factored_axes(shape: Sequence[int]) -> tuple[int, int] | None:
-  """The axes a factored second moment averages over (the two largest), or None.
-
-  The rule of ``optax.scale_by_factored_rms``, which ``safefactor`` follows by default:
-  a leaf is factored when its second-largest axis has at least
-  ``MIN_DIM_SIZE_TO_FACTOR`` elements. Ties go to the earlier axis.
-
-  >>> factored_axes((300, 200)), factored_axes((4, 300, 200)), factored_axes((300, 100))
-  ((1, 0), (2, 1), None)
+  A :class:`~optax_safefactor.FactoredMoment` (row and column statistics) or a
+  :class:`~optax_safefactor.FullMoment` (one per element), from ``init`` traced by
+  ``jax.eval_shape`` (nothing allocated): the library's own factoring rule, not a copy of
+  it that could drift.
   """
-  if len(shape) < 2:
-    return None
-  second, largest = (int(axis) for axis in np.argsort(np.asarray(shape), kind="stable")[-2:])
-  if shape[second] < MIN_DIM_SIZE_TO_FACTOR:
-    return None
-  return second, largest
+  state = jax.eval_shape(osf.safefactor(1e-3).init, params)
+  moments = optax.tree_utils.tree_get(state, "second_moment")
+  return jax.tree.leaves(
+      moments, is_leaf=lambda x: isinstance(x, (osf.FactoredMoment, osf.FullMoment)))
+
+
+def is_factored(params: dict) -> list[bool]:
+  """Per leaf of ``params``: whether ``safefactor`` factors its second moment."""
+  return [isinstance(moment, osf.FactoredMoment) for moment in second_moments(params)]
 
 
 def minimum_state_bytes(params: dict, momentum: bool) -> int:
   """float32 rows + columns per factored leaf, the full size per other leaf, a few scalars."""
   total = 64
-  for p in jax.tree.leaves(params):
-    axes = factored_axes(p.shape)
-    if axes is None:
-      total += 4 * p.size
-    else:
-      # One statistic drops the largest axis, the other the second largest.
-      total += 4 * sum(p.size // p.shape[axis] for axis in axes)
+  for p, moment in zip(jax.tree.leaves(params), second_moments(params), strict=True):
+    # The statistics' count at 4 bytes each: a factored leaf's rows and columns (one drops
+    # the largest axis, the other the second largest), or every element of another leaf.
+    total += 4 * common.count(moment)
     if momentum:
       total += 4 * p.size
   return total
@@ -145,46 +73,23 @@ def minimum_traffic_bytes(params: dict, momentum: bool) -> int:
   Momentum is read and written once. The scale-copy roofline moves 3 parameter sizes.
   """
   total = 0
-  for p in jax.tree.leaves(params):
+  for p, factored in zip(jax.tree.leaves(params), is_factored(params), strict=True):
     size = p.dtype.itemsize * p.size
-    if factored_axes(p.shape) is None:
-      total += 2 * size + 3 * 4 * p.size + 3 * size
-    else:
+    if factored:
       total += 3 * size + 3 * size
+    else:
+      total += 2 * size + 3 * 4 * p.size + 3 * size
     if momentum:
       total += 2 * 4 * p.size
   return total
 
 
-@contextlib.contextmanager
-def without_garbage_collection():
-  """Python's cycle collector off for one timed round, and run just before it.
-
-  As ``timeit`` does: a full collection scans every live object, the benchmark holds
-  thousands of arrays (every candidate's params and state), and one collection landing
-  in a timed call added about 140 ms to a 30 ms step of the 600-leaf tree, in the same
-  round of every run.
-  """
-  was_enabled = gc.isenabled()
-  gc.collect()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if was_enabled:
-      gc.enable()
-
-
-def _compile(step_fn, *args):
-  start = time.perf_counter()
-  compiled = jax.jit(step_fn, donate_argnums=(0, 1)).lower(*args).compile()
-  return compiled, time.perf_counter() - start
+# The key of the scale-copy among the compiled steps.
+COPY = "scale-copy"
 
 
 def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[dict]:
-  dtype = jnp.dtype(dtype_name)
-  params = make_params(TREES[tree](scale), dtype)
-  grads = jax.tree.map(lambda p: (p * 0.5 + 0.001).astype(p.dtype), params)
+  params, grads = trees.params_and_grads(tree, scale, dtype_name)
   configs = {
       "default": dict(learning_rate=1e-3),
       "momentum": dict(learning_rate=1e-3, momentum=0.9),
@@ -196,91 +101,53 @@ def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[
     candidates[("safefactor, guard off", config_name)] = osf.safefactor(
         **config, skip_nonfinite_steps=False)
 
-  def step_for(tx):
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-    return step
-
-  runners, rows = {}, {}
+  compiled, rows = {}, {}
   for key, tx in candidates.items():
     state = tx.init(params)
-    compiled, seconds = _compile(step_for(tx), params, state, grads)
-    memory = compiled.memory_analysis()
+    compiled[key] = common.compile_step(common.train_step(tx), params, state, grads)
     rows[key] = {
         "tree": tree, "dtype": dtype_name, "optimizer": key[0], "config": key[1],
-        "compile_s": seconds,
-        "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
-        "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state))),
+        "compile_s": compiled[key].compile_s, "temp_bytes": compiled[key].temp_bytes,
+        "state_bytes": common.nbytes(state),
         "state_minimum_bytes": minimum_state_bytes(params, key[1] == "momentum"),
     }
-    runners[key] = [compiled, jax.tree.map(jnp.copy, params), state]
 
   def scale_copy(params, state, grads):
     del state
     return jax.tree.map(lambda p, g: p - jnp.asarray(1e-3, p.dtype) * g, params, grads), None
 
-  roofline, _ = _compile(scale_copy, params, None, grads)
-  roofline_params = jax.tree.map(jnp.copy, params)
-  times = {key: [] for key in runners}
-  roofline_times = []
-  for _ in range(repetitions + 1):  # the first round warms up and is dropped
-    with without_garbage_collection():
-      for key, runner in runners.items():
-        compiled, p, s = runner
-        start = time.perf_counter()
-        p, s = compiled(p, s, grads)
-        jax.block_until_ready(p)
-        times[key].append(time.perf_counter() - start)
-        runner[1:] = [p, s]
-      start = time.perf_counter()
-      roofline_params, _ = roofline(roofline_params, None, grads)
-      jax.block_until_ready(roofline_params)
-      roofline_times.append(time.perf_counter() - start)
-  # Round 0 warmed up and is dropped. Each ratio is also taken round by round: within a
-  # round the runs it compares are moments apart, so the spread of those ratios shows
-  # how much a slow moment of the machine (another process, a frequency change) moved
-  # them, and how far the medians can be trusted.
-  copy_rounds = np.asarray(roofline_times[1:])
+  # Compiled alike and timed in the same rounds, after every optimizer.
+  compiled[COPY] = common.compile_step(scale_copy, params, None, grads)
+  times = {key: [calls[0] for calls in rounds]
+           for key, rounds in common.time_rounds(compiled, grads, repetitions).items()}
+  copy_rounds = times.pop(COPY)
   roofline_s = float(np.median(copy_rounds))
-  copy_bytes = 3 * sum(p.dtype.itemsize * p.size for p in jax.tree.leaves(params))
+  copy_bytes = 3 * common.nbytes(params)
   for key, row in rows.items():
-    rounds = np.asarray(times[key][1:])
+    rounds = times[key]
     row["step_s"] = float(np.median(rounds))
-    row["step_s_rounds"] = rounds.tolist()
+    row["step_s_rounds"] = rounds
     row["copy_s"] = roofline_s
-    row["copy_s_rounds"] = copy_rounds.tolist()
-    row["roofline_fraction"] = roofline_s / row["step_s"]
-    _spread(row, "roofline_fraction", copy_rounds / rounds)
+    row["copy_s_rounds"] = copy_rounds
+    common.ratio_with_spread(row, "roofline_fraction", copy_rounds, rounds)
     # The copy's bandwidth, against the bandwidth the step achieves on its least traffic.
     row["minimum_traffic_bytes"] = minimum_traffic_bytes(params, key[1] == "momentum")
     row["copy_bytes"] = copy_bytes
-    traffic_ratio = row["minimum_traffic_bytes"] / copy_bytes
-    row["bandwidth_fraction"] = (
-        row["minimum_traffic_bytes"] / row["step_s"]) / (copy_bytes / roofline_s)
-    _spread(row, "bandwidth_fraction", traffic_ratio * copy_rounds / rounds)
+    common.ratio_with_spread(row, "bandwidth_fraction", copy_rounds, rounds,
+                             factor=row["minimum_traffic_bytes"] / copy_bytes)
   for key, row in rows.items():
     base = rows[("optax.adafactor", key[1])]
-    row["step_ratio"] = row["step_s"] / base["step_s"]
-    _spread(row, "step_ratio",
-            np.asarray(row["step_s_rounds"]) / np.asarray(base["step_s_rounds"]))
+    common.ratio_with_spread(row, "step_ratio", row["step_s_rounds"], base["step_s_rounds"])
     row["compile_ratio"] = row["compile_s"] / base["compile_s"]
     if row["temp_bytes"] is not None and base["temp_bytes"]:
       row["temp_ratio"] = row["temp_bytes"] / base["temp_bytes"]
-  n_params = sum(p.size for p in jax.tree.leaves(params))
+  n_params, factored_leaves = common.count(params), sum(is_factored(params))
   for row in rows.values():
-    row["params"] = int(n_params)
+    row["params"] = n_params
     row["leaves"] = len(jax.tree.leaves(params))
-    row["factored_leaves"] = sum(factored_axes(p.shape) is not None
-                                 for p in jax.tree.leaves(params))
+    row["factored_leaves"] = factored_leaves
     row["repetitions"] = repetitions
   return list(rows.values())
-
-
-def _spread(row: dict, name: str, per_round: np.ndarray) -> None:
-  """``name_min`` and ``name_max``: the figure's range over the rounds, taken round by round."""
-  row[f"{name}_min"] = float(per_round.min())
-  row[f"{name}_max"] = float(per_round.max())
 
 
 COLUMNS = ("tree", "dtype", "config", "optimizer", "step", "compile", "temp bytes",
@@ -338,12 +205,6 @@ LEGEND = {
 
 def _millions(n: int) -> str:
   return f"{n / 1e6:.3g}M"
-
-
-def format_range(row: dict, name: str, scale: float, unit: str, digits: int) -> str:
-  """``min / median / max`` of a figure and its ``_min`` and ``_max``, scaled, with a unit."""
-  low, mid, high = (scale * row[key] for key in (f"{name}_min", name, f"{name}_max"))
-  return f"{low:.{digits}f} / {mid:.{digits}f} / {high:.{digits}f}{unit}"
 
 
 def markdown_header() -> str:
@@ -419,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
           f"tree; a small one ({SMALL_RUN}) {SMALL_RUN_TIME}. Each tree's rows are printed "
           "as soon as they are measured."))
   parser.add_argument(
-      "--trees", nargs="+", choices=sorted(TREES), default=sorted(TREES), metavar="TREE",
+      "--trees", nargs="+", choices=sorted(trees.TREES), default=sorted(trees.TREES),
+      metavar="TREE",
       help="parameter trees to measure, any of: 600-leaves (50 unscanned layers of 12 "
            "leaves, 10M params), gpt2-small (GPT-2 small, 124M), scanned-24 (24 layers "
            "stacked on a leading axis, 7 leaves, 194M), vit-b16 (ViT-B/16, 87M); params "
@@ -446,32 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def json_problem(path: pathlib.Path) -> str | None:
-  """Why ``--json path`` cannot be written, or None if it can; the benchmarks' one check.
-
-  Run before measuring, so that a bad path is not found out when the results are ready:
-  the path's folder is created and probed (:func:`unwritable_folder`), and the path must
-  not be a folder itself.
-  """
-  problem = unwritable_folder(path.parent)
-  if problem is None and path.is_dir():
-    problem = "it is a folder"
-  return problem
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   if not 0 < args.scale <= 4 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4] and --repetitions at least 1")
   if args.json is not None:
-    problem = json_problem(args.json)
+    problem = common.json_problem(args.json)
     if problem is not None:
-      print(f"{parser.prog}: error: cannot write --json {args.json}: {problem}",
-            file=sys.stderr)
-      return 2
-  print(f"backend: {jax.default_backend()}, {plural(len(jax.devices()), 'device')}: "
-        f"{jax.devices()[0].device_kind}", file=sys.stderr)
+      return common.fail(parser.prog, f"cannot write --json {args.json}: {problem}")
+  print(common.backend_summary(), file=sys.stderr)
   # A full run takes long and can run out of memory on its largest tree: each tree's rows
   # are printed (and the JSON rewritten) as soon as they are measured, so they survive.
   print(markdown_header(), flush=True)

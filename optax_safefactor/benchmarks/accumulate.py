@@ -1,10 +1,11 @@
-"""``python -m optax_safefactor.bench_accumulate``: gradient accumulation, cond against select.
+"""``python -m optax_safefactor bench-accumulate``: accumulate_gradients against optax.MultiSteps.
 
-:func:`optax_safefactor.accumulate_gradients` runs ``inner.update`` under ``lax.cond``,
-only on the micro-batch that completes a group. The alternative computes it on every
-micro-batch and selects its outputs, as ``optax.MultiSteps`` does. This script measures
-both, and ``optax.MultiSteps`` itself, around ``safefactor`` on one of the benchmark's
-trees (``optax_safefactor.bench.TREES``), in one process with interleaved rounds:
+:func:`optax_safefactor.accumulate_gradients` runs ``inner.update`` only on the
+micro-batch that completes a group, and leaves a non-finite micro-batch out;
+``optax.MultiSteps`` computes ``inner.update`` on every micro-batch and selects its
+outputs. This script measures both around the same ``safefactor``, and ``safefactor``
+alone (a step on every micro-batch), on one of the benchmarks' trees (:mod:`.trees`), in
+one process with interleaved rounds:
 
 - time per micro-batch: each call of the compiled train step (update and
   ``apply_updates``, params and state donated) is timed on its own; the table gives
@@ -20,87 +21,55 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor import bench
-from optax_safefactor._src.accumulate import _accumulate
-from optax_safefactor.demo import plural
+from optax_safefactor.benchmarks import common, trees
+from optax_safefactor.benchmarks.common import plural
+
+# The candidate that steps on every call: a group of one.
+ALONE = "safefactor alone"
 
 
 def candidates(every_k: int) -> dict[str, optax.GradientTransformation]:
-  """The transformations compared, each around the same ``safefactor``."""
+  """The transformations compared: both accumulations around the same ``safefactor``, and it."""
 
   def inner():
     return osf.safefactor(1e-3)
 
   return {
-      "accumulate_gradients (cond)": _accumulate(inner(), every_k, "cond"),
-      "accumulate_gradients (select)": _accumulate(inner(), every_k, "select"),
+      "accumulate_gradients": osf.accumulate_gradients(inner(), every_k),
       "optax.MultiSteps": optax.MultiSteps(inner(), every_k),
-      "safefactor alone": inner(),
+      ALONE: inner(),
   }
-
-
-def _train_step(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
 
 
 def measure(tree: str = "600-leaves", scale: float = 1.0, every_k: int = 4,
             repetitions: int = 5, dtype: str = "float32") -> list[dict]:
   """One row per candidate: times in seconds, temporary bytes, compile seconds."""
-  params = bench.make_params(bench.TREES[tree](scale), jnp.dtype(dtype))
-  grads = jax.tree.map(lambda p: (p * 0.5 + 0.001).astype(p.dtype), params)
-  rows, runners = {}, {}
+  params, grads = trees.params_and_grads(tree, scale, dtype)
+  rows, compiled = {}, {}
   for name, tx in candidates(every_k).items():
-    state = tx.init(params)
-    start = time.perf_counter()
-    compiled = jax.jit(_train_step(tx), donate_argnums=(0, 1)).lower(
-        params, state, grads).compile()
-    compile_s = time.perf_counter() - start
-    memory = compiled.memory_analysis()
+    # A round runs one whole group of every candidate, interleaved.
+    group = 1 if name == ALONE else every_k
+    compiled[name] = common.compile_step(common.train_step(tx), params, tx.init(params), grads,
+                                         calls_per_round=group)
     rows[name] = {
         "optimizer": name, "tree": tree, "dtype": dtype, "every_k": every_k,
-        "params": int(sum(p.size for p in jax.tree.leaves(params))),
-        "leaves": len(jax.tree.leaves(params)), "compile_s": compile_s,
-        "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
-        "accumulate_s": [], "step_s": [], "group_s": [],
+        "params": common.count(params), "leaves": len(jax.tree.leaves(params)),
+        "compile_s": compiled[name].compile_s, "temp_bytes": compiled[name].temp_bytes,
     }
-    runners[name] = [compiled, jax.tree.map(jnp.copy, params), state]
-    print(f"  compiled {name} in {compile_s:.1f} s", file=sys.stderr, flush=True)
-
-  # Round 0 warms up and is dropped. Each round runs one whole group of every
-  # candidate, interleaved, so a slow moment of the machine lands on all of them.
-  for round_index in range(repetitions + 1):
-    for name, runner in runners.items():
-      compiled, p, s = runner
-      calls = []
-      group = 1 if name == "safefactor alone" else every_k
-      with bench.without_garbage_collection():
-        for _ in range(group):
-          start = time.perf_counter()
-          p, s = compiled(p, s, grads)
-          jax.block_until_ready((p, s))
-          calls.append(time.perf_counter() - start)
-      runner[1:] = [p, s]
-      if round_index:
-        row = rows[name]
-        row["step_s"].append(calls[-1])
-        row["accumulate_s"].append(float(np.median(calls[:-1])) if group > 1 else np.nan)
-        row["group_s"].append(sum(calls) / group)
-  for row in rows.values():
-    for key in ("accumulate_s", "step_s", "group_s"):
-      row[key] = float(np.median(row[key]))
+    print(f"  compiled {name} in {compiled[name].compile_s:.1f} s", file=sys.stderr, flush=True)
+  for name, groups in common.time_rounds(compiled, grads, repetitions).items():
+    row = rows[name]
+    row["accumulate_s"] = float(np.median(
+        [np.median(calls[:-1]) if len(calls) > 1 else np.nan for calls in groups]))
+    row["step_s"] = float(np.median([calls[-1] for calls in groups]))
+    row["group_s"] = float(np.median([sum(calls) / len(calls) for calls in groups]))
   base = rows["optax.MultiSteps"]
   for row in rows.values():
     for key in ("accumulate_s", "step_s", "group_s", "compile_s", "temp_bytes"):
@@ -132,11 +101,11 @@ def markdown(rows: Sequence[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_safefactor.bench_accumulate",
-      description="accumulate_gradients with lax.cond against compute-and-select, and "
-                  "optax.MultiSteps, around safefactor: time per micro-batch, temporary "
+      prog="python -m optax_safefactor bench-accumulate",
+      description="accumulate_gradients against optax.MultiSteps and against safefactor "
+                  "alone, each around the same safefactor: time per micro-batch, temporary "
                   "bytes and compile time, with ratios to optax.MultiSteps.")
-  parser.add_argument("--tree", choices=sorted(bench.TREES), default="600-leaves",
+  parser.add_argument("--tree", choices=sorted(trees.TREES), default="600-leaves",
                       help="the parameter tree, one of the benchmark's (600-leaves)")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="widths multiplied by this, in (0, 4] (1.0)")
@@ -154,9 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if not 0 < args.scale <= 4 or args.every_k < 2 or args.repetitions < 1:
     parser.error("--scale must be in (0, 4], --every-k at least 2, --repetitions at least 1")
-  print(f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
-        f"{plural(len(jax.devices()), 'device')}: {jax.devices()[0].device_kind}",
-        file=sys.stderr)
+  print(common.backend_summary(), file=sys.stderr)
   rows = measure(args.tree, args.scale, args.every_k, args.repetitions, args.dtype)
   first = rows[0]
   print(f"{first['tree']} ({first['params'] / 1e6:.3g}M params, {first['leaves']} leaves), "

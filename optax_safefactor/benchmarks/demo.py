@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pathlib
 import sys
-import tempfile
-import textwrap
 import time
 from collections.abc import Sequence
 from importlib import resources
@@ -25,6 +22,7 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
+from optax_safefactor.benchmarks.common import HelpFormatter, fail, plural, unwritable_folder, wrap
 
 SEQUENCE_LENGTH = 64
 BATCH_SIZE = 16
@@ -116,11 +114,6 @@ ROUNDING_RUNS = (
     ("safefactor", "bfloat16", "kahan"),
     ("optax.adafactor", "bfloat16", "nearest"),
 )
-
-
-def plural(count: int, word: str) -> str:
-  """``1 step``, ``2 steps``: a count with its noun, singular only for exactly one."""
-  return f"{count} {word if count == 1 else word + 's'}"
 
 
 def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
@@ -283,60 +276,24 @@ def plot(results: Sequence[RunResult], path: pathlib.Path) -> None:
   plt.close(figure)
 
 
-def unwritable_folder(path: pathlib.Path) -> str | None:
-  """Why files cannot be written in folder ``path`` (created if missing), or None if they can.
-
-  Checked before a long run rather than found out after it: the folder is created, and
-  a probe file written and removed in it.
-  """
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-") as probe:
-      probe.write(b"probe")
-      probe.flush()
-  except (FileExistsError, NotADirectoryError):
-    # A file stands where a folder should be: `path` itself or one of its parents. Name it,
-    # since in "--json dir/name.json" the path the user wrote is not the folder.
-    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-      return f"{blocker} exists and is not a folder"
-    return "a file stands where a folder should be"
-  except OSError as error:
-    reason = error.strerror or str(error)
-    where = getattr(error, "filename", None)
-    # The failing path can be a parent folder or the probe; say which when it is not `path`.
-    if where is not None and os.fspath(where) != os.fspath(path):
-      reason = f"{reason}: {where}"
-    return reason
-  return None
-
-
 PROG = "python -m optax_safefactor"
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-  """Help text wrapped without splitting at hyphens: ``safefactor-demo``, ``600-leaves``.
-
-  Descriptions and epilogs are wrapped where they are written (:func:`wrap`), so that
-  the subcommand list keeps its indentation.
-  """
-
-  def _split_lines(self, text, width):
-    return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
-def wrap(text: str, indent: str = "", first: str | None = None) -> str:
-  return textwrap.fill(" ".join(text.split()), 88, break_on_hyphens=False,
-                       initial_indent=indent if first is None else first,
-                       subsequent_indent=indent)
-
-
-EPILOG = "subcommand:\n" + wrap(
-    "safefactor against optax.adafactor on model-shaped parameter trees: step time, "
-    "compile time, temporary and state memory, as ratios with their spread over "
-    "repetitions. A full run takes about 9 minutes and 16 GB of memory on a 2-core CPU; "
-    f"`{PROG} bench --help` lists its options and a run of under a minute.",
-    indent=" " * 12, first="  bench     ")
+SUBCOMMAND_HELP = {
+    "bench": "safefactor against optax.adafactor on model-shaped parameter trees: step "
+             "time, compile time, temporary and state memory, as ratios with their spread "
+             "over repetitions. A full run takes about 9 minutes and 16 GB of memory on a "
+             f"2-core CPU; `{PROG} bench --help` lists its options and a run of under a "
+             "minute.",
+    "bench-rounding": "the cost of safefactor's param_rounding modes on bfloat16 params, "
+                      "against 'nearest', and the bytes per parameter they keep. A full "
+                      "run takes about 4 minutes on a 2-core CPU; --small, seconds.",
+    "bench-accumulate": "accumulate_gradients against optax.MultiSteps and against "
+                        "safefactor alone: time per micro-batch, temporary bytes and "
+                        "compile time.",
+}
+EPILOG = "subcommands (SUBCOMMAND --help lists the options of each):\n" + "\n".join(
+    wrap(text, indent=" " * 20, first=f"  {name:<18}") for name, text in SUBCOMMAND_HELP.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
       prog=PROG,
       usage=f"{PROG} [-h] [--steps N] [--dtype DTYPE] [--out DIR] [--seed N]\n"
             f"       {' ' * len(PROG)} [--rounding-steps N] [--accumulate K]\n"
-            f"       {PROG} bench [-h] [options]",
+            f"       {PROG} {{bench,bench-rounding,bench-accumulate}} [-h] [options]",
       description=wrap(
           "Train a tiny transformer in float16 and bfloat16 with safefactor and with "
           "optax.adafactor, print a results table and write a plot of the loss curves."),
@@ -395,9 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   problem = unwritable_folder(args.out)
   if problem is not None:
-    print(f"{PROG}: error: cannot write the plot to --out {args.out}: {problem}",
-          file=sys.stderr)
-    return 2
+    return fail(PROG, f"cannot write the plot to --out {args.out}: {problem}")
   from tqdm import tqdm
 
   dtypes = ("float16", "bfloat16") if args.dtype == "both" else (args.dtype,)
