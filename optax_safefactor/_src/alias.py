@@ -48,7 +48,7 @@ def safefactor(
 
   - all arithmetic runs in float32 (float64 for float64 inputs) and the second
     moment is stored in float32, whatever the parameter dtype; updates are cast
-    back to the gradient dtype at the end, clamped to its finite range;
+    back to the gradient dtype at the end, finite values clamped to its finite range;
   - the statistics start at an epsilon floor and every rsqrt and divisor is
     floored, so zero gradients, dead units and masked parameters are safe;
   - the factored statistics keep all axes (keepdims), so a tall matrix gets the
