@@ -9,16 +9,16 @@ which prints every opcode whose count changed.
 ``python tools/compiled_step.py times`` measures, on 48 layers of width 256 (576 leaves,
 float32), the time to trace and lower the train step (``jax.jit(step).lower``) and the
 time XLA takes to compile it, for safefactor and ``optax.adafactor`` in the same process,
-as medians over ``--repetitions`` rounds with JAX's caches cleared before each.
+as the least over ``--repetitions`` rounds, with JAX's caches cleared before each.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import re
-import statistics
 import sys
 import time
 
@@ -86,6 +86,21 @@ def compare(before: dict, after: dict) -> int:
   return worse
 
 
+def jaxpr_equations(tx, params) -> int:
+  """How many equations tracing the train step records, nested ones included."""
+  def count(jaxpr) -> int:
+    total = 0
+    for equation in jaxpr.eqns:
+      total += 1
+      for value in equation.params.values():
+        inner = getattr(value, "jaxpr", None)
+        if inner is not None:
+          total += count(getattr(inner, "jaxpr", inner))
+    return total
+
+  return count(jax.make_jaxpr(train_step(tx))(params, tx.init(params), params).jaxpr)
+
+
 def times(repetitions: int) -> dict[str, dict[str, float]]:
   params = layered_tree(48, 256, jnp.float32)
   candidates = {"safefactor": osf.safefactor(1e-3), "optax.adafactor": optax.adafactor(1e-3)}
@@ -94,14 +109,23 @@ def times(repetitions: int) -> dict[str, dict[str, float]]:
     for name, tx in candidates.items():
       jax.clear_caches()
       state = tx.init(params)
-      started = time.perf_counter()
-      lowered = jax.jit(train_step(tx)).lower(params, state, params)
-      lowered_at = time.perf_counter()
-      lowered.compile()
-      compiled_at = time.perf_counter()
+      # As timeit does: collect first, then time with the cycle collector off, so that a
+      # collection does not land in one round.
+      gc.collect()
+      gc.disable()
+      try:
+        started = time.perf_counter()
+        lowered = jax.jit(train_step(tx)).lower(params, state, params)
+        lowered_at = time.perf_counter()
+        lowered.compile()
+        compiled_at = time.perf_counter()
+      finally:
+        gc.enable()
       rounds[name]["trace+lower"].append(lowered_at - started)
       rounds[name]["compile"].append(compiled_at - lowered_at)
-  return {name: {what: statistics.median(values) for what, values in measured.items()}
+  # The least of the rounds: tracing and compiling are deterministic work, and anything
+  # else on the machine only ever adds to them.
+  return {name: {what: min(values) for what, values in measured.items()}
           for name, measured in rounds.items()}
 
 
@@ -129,6 +153,10 @@ def main(argv=None) -> int:
     with open(args.before) as f, open(args.after) as g:
       return 1 if compare(json.load(f), json.load(g)) else 0
   measured = times(args.repetitions)
+  params = layered_tree(48, 256, jnp.float32)
+  for name, tx in (("safefactor", osf.safefactor(1e-3)),
+                   ("optax.adafactor", optax.adafactor(1e-3))):
+    print(f"{name}: {jaxpr_equations(tx, params)} traced equations")
   for name, values in measured.items():
     print(f"{name}: trace+lower {values['trace+lower']:.2f} s, compile {values['compile']:.2f} s")
   ours, theirs = measured["safefactor"], measured["optax.adafactor"]
