@@ -72,7 +72,8 @@ def _assert_uniform(words: np.ndarray, what: str) -> None:
   """Each of the four bytes of the words takes its 256 values equally often (one test).
 
   A chi-square over the 4 x 256 byte counts, 1020 degrees of freedom (each byte position's
-  total is fixed). Without it a joint test below could pass two equally skewed streams.
+  total is fixed). The pair tests below take fair bits for granted (an agreement rate of
+  1/2 needs them), so a skewed stream fails here, named as such.
   """
   as_bytes = np.ascontiguousarray(words.ravel()).view(np.uint8).reshape(-1, 4)
   counts = np.stack([np.bincount(as_bytes[:, k], minlength=256) for k in range(4)])
@@ -114,13 +115,13 @@ def _assert_independent_decisions(a: np.ndarray, b: np.ndarray, what: str) -> No
   table's margins estimate it; both outcomes must be common, so the test has power.
   """
   a, b = a.ravel(), b.ravel()
-  for name, decisions in ((what, a), ("and", b)):
-    assert 0.05 < decisions.mean() < 0.95, (name, decisions.mean())
+  for side, decisions in (("first", a), ("second", b)):
+    assert 0.05 < decisions.mean() < 0.95, (what, side, decisions.mean())
   table = np.array([[np.sum(a & b), np.sum(a & ~b)], [np.sum(~a & b), np.sum(~a & ~b)]])
   p = stats.chi2_contingency(table, correction=False).pvalue
   agreement = np.mean(a == b)
-  assert p >= ALPHA, f"{what}: dependent roundings, p = {p:.2e}, table {table.tolist()}, " \
-                     f"agreement {agreement:.4f}"
+  assert p >= ALPHA, (f"{what}: dependent roundings, p = {p:.2e}, table {table.tolist()}, "
+                     f"agreement {agreement:.4f}")
 
 
 def _rounded_up(values: jax.Array) -> np.ndarray:
@@ -252,16 +253,16 @@ def test_write_back_of_a_leaf_beyond_two_to_the_32_elements_rounds_with_the_high
     half_ulp = jnp.full(BIG_SHAPE, 2.0**-8, jnp.float32)
     how = write_back.rounding_for("stochastic", SEED, step, path)
     update, _ = write_back.write_back(half_ulp, param, jnp.bfloat16, how, None)
-    bits = random_bits(SEED, step, path_hash(path), BIG_SHAPE, STREAM_PARAMS)
-    return update[:8], update[-1:], bits[:8] >> 31, bits[-1:] >> 31
+    top_bit_set = random_bits(SEED, step, path_hash(path), BIG_SHAPE, STREAM_PARAMS) >> 31 == 1
+    rounded_up = update != 0
+    return rounded_up[:8], rounded_up[-1:], top_bit_set[:8], top_bit_set[-1:]
 
-  first, last_row, first_top, last_top = (
-      np.asarray(rows.astype(jnp.float32) if rows.dtype == jnp.bfloat16 else rows).ravel()
-      for rows in first_and_last_rows(jnp.int32(STEP)))
-  np.testing.assert_array_equal(first != 0, first_top == 1)
-  np.testing.assert_array_equal(last_row != 0, last_top == 1)
+  first, last_row, first_top_bit, last_top_bit = (
+      np.asarray(rows).ravel() for rows in first_and_last_rows(jnp.int32(STEP)))
+  np.testing.assert_array_equal(first, first_top_bit)
+  np.testing.assert_array_equal(last_row, last_top_bit)
   _, partners = _big_leaf_partners()
-  _assert_independent_decisions(last_row != 0, first[partners] != 0, "elements 2**32 apart")
+  _assert_independent_decisions(last_row, first[partners], "elements 2**32 apart")
 
 
 def test_safefactor_draws_a_huge_leafs_bits_over_its_whole_shape_and_path(monkeypatch):
@@ -322,10 +323,12 @@ def test_leaves_named_kernel_in_different_subtrees_round_independently():
 def test_narrow_state_rounds_independently_of_the_params_and_of_each_other():
   # Guards against bfloat16 statistics, column statistics or momentum rounding with the
   # params' bits or with each other's (equal stream constants, or store ignoring the
-  # stream it is given). One run would feed a rounded statistic into the update that the
-  # momentum and params round, so each state is taken from a run where its wide value is
-  # the same for every element: with the same seed, step and path, only the stream sets
-  # the bits apart, and decisions are compared at equal flat indices.
+  # stream it is given). In one run a rounded statistic would feed the update that the
+  # momentum and params round, making them dependent whatever the bits; so each array
+  # comes from a run in which its wide value is the same for every element (the
+  # statistics from runs without momentum, the momentum and params from a run with
+  # float32 statistics). With the same seed, step and path, only the stream sets the bits
+  # apart, and the decisions are compared at equal flat indices.
   # False alarm: 9 tests at p < 1e-6: at most 9e-6 (the control cannot fail).
   params = {"w": jnp.ones(SHAPE, jnp.bfloat16)}
   _, full = _one_step(params, factored=False, state_dtype="bfloat16")
