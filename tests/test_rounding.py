@@ -9,6 +9,7 @@ module docstring of ``optax_safefactor/_src/write_back.py`` for the formulas)::
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 import zlib
 
@@ -623,6 +624,27 @@ def test_steps_and_seeds_draw_different_bits():
   tx = with_param_rounding(optax.sgd(2e-3), "stochastic", seed=0)
   again, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   _assert_bitwise_equal(again, results[0][0])
+
+
+@pytest.mark.parametrize("mode", write_back.ROUNDING_MODES)
+def test_the_count_advances_every_step_and_picks_new_bits(mode):
+  # Guards against a count that stays put: "nearest" never reads it, so only its value
+  # shows the bug there, and in "stochastic" every step would round with the same bits,
+  # a bias that no single step shows. The same grads and params every step, so any
+  # difference between two steps' updates comes from the bits.
+  params, grads = _tree(0), _tree(1)
+  tx = with_param_rounding(optax.sgd(2e-3), mode, seed=3)
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  history = []
+  for _ in range(4):
+    updates, state = update(grads, state, params)
+    history.append(np.asarray(updates["w"]))
+  assert int(state.count) == 4
+  if mode == "stochastic":
+    assert all(np.mean(a != b) > 0.1 for a, b in itertools.pairwise(history))
+  elif mode == "nearest":  # no bits: the same update every step ("kahan" carries a remainder)
+    assert all(np.array_equal(a, history[0]) for a in history)
 
 
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])

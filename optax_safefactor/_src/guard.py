@@ -7,15 +7,22 @@ inside its own update (``kernel.leaf_scaling``), from values the step computes a
 - the gradient (its square is part of the new second-moment statistics);
 - the new statistics, and the old ones they blend (also a NaN or Inf in the state);
 - the clipping reduction of the scaled gradient (when clipping is on);
-- this step's learning rate (a schedule that returns NaN);
+- this step's learning rate and weight-decay rate (a schedule that returns NaN);
+- the old momentum and Kahan compensation, which the update blends in;
 - the params' RMS, when ``multiply_by_parameter_scale`` is on; otherwise the params
-  themselves, when weight decay applies to the leaf.
+  themselves, when weight decay applies to the leaf or a rounding write-back
+  (``param_rounding`` ``"stochastic"`` or ``"kahan"``) lands on a narrow param.
 
 The update is then finite by construction: every factor it is built from was checked.
 :func:`skip_nonfinite` decides for any other transformation from what it *produces*: its
 updates and every floating leaf of its new state. A skipped step returns zero updates and
 the old state, exactly (its count, moments, momentum and compensation included), and is
 counted by :func:`record_step` (``counters.count_call``); the reports read those counts.
+
+So a NaN or Inf in the state is kept by the skip, as the rest of the state is, and every
+later step reads it and is skipped too, until the state is restored or
+``max_consecutive`` stops the run. A schedule that is NaN at one applied step stalls the
+run there the same way, since a skipped step does not advance the count it reads.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.placement import LeafPlacement
 from optax_safefactor._src.plan import FactorPlan
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
-from optax_safefactor._src.write_back import Rounding, store, write_back
+from optax_safefactor._src.write_back import Rounding, is_narrow, store, write_back
 
 
 class FactoredMoment(NamedTuple):
@@ -372,9 +372,12 @@ class LeafScaling(NamedTuple):
 
 def leaf_scaling(
     hp: Hyperparams, step: StepValues, grad: jax.Array, leaf: Leaf, moment: Moment,
-    param: jax.Array | None,
+    param: jax.Array | None, momentum: jax.Array | None, compensation: jax.Array | None,
 ) -> tuple[Moment, LeafScaling, jax.Array]:
   """First half: new statistics, the scaling of the update, and whether all was finite.
+
+  ``momentum`` and ``compensation`` are the old state that the second half blends into
+  the update (``None`` when off); here they are only checked.
 
   Returns:
     ``(new_moment, scaling, finite)``. ``finite`` is a scalar bool, True exactly when
@@ -384,6 +387,8 @@ def leaf_scaling(
   """
   ct, real_ct, plan = leaf.compute_dtype, leaf.real_dtype, leaf.plan
   clipping = hp.clipping_threshold is not None
+  # A rounding write-back lands the update on a narrow param: it reads the param.
+  reads_param_on_write_back = leaf.rounding is not None and is_narrow(param.dtype)
   new_moment = update_second_moment(grad, moment, plan, step.beta2[real_ct], hp.eps, ct,
                                     leaf.rounding)
   # With clipping, the statistics' finiteness rides on the clipping reduction.
@@ -410,8 +415,19 @@ def leaf_scaling(
     # XLA does not copy the clamp into the flag's kernel.
     checked.append(rms)
     multiplier = times(parameter_scale(rms, hp.min_parameter_scale, hp.max_parameter_scale))
-  elif leaf.decays(step):
+  elif leaf.decays(step) or reads_param_on_write_back:
     checked.append(param)
+  if leaf.decays(step):
+    # A schedule's NaN rate would make ``rate * param`` NaN, as a NaN learning rate would.
+    finite &= jnp.isfinite(jnp.asarray(step.weight_decay_rate, real_ct))
+  # The old momentum and compensation are blended into the update: NaN there is NaN in it.
+  # A sum fuses into the read of a state in the compute dtype, where all(isfinite) writes a
+  # boolean temporary per leaf on the CPU backend; for a narrower state the sum's upcast is
+  # written out in full instead, and all(isfinite) is the cheaper (measured temporaries).
+  for state in (momentum, compensation):
+    if state is not None:
+      finite &= (xla_hints.finite_by_sum(state) if np.dtype(state.dtype) == ct
+                 else numerics.all_finite(state))
   if checked:
     finite &= numerics.all_finite(*checked)
   return new_moment, LeafScaling(factors, multiplier), finite

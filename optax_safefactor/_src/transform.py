@@ -136,15 +136,17 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     params_tree = none_tree if params is None else params
     # Every tree below is read up to the structure of ``updates``: a per-leaf value
     # (a moment, a Leaf) arrives whole.
+    momentum_tree = none_tree if hp.momentum is None else inner.momentum
+    compensation_tree = none_tree if inner.compensation is None else inner.compensation
     first_half = jax.tree.map(partial(kernel.leaf_scaling, hp, step), updates, leaves,
-                              inner.second_moment, params_tree)
+                              inner.second_moment, params_tree, momentum_tree,
+                              compensation_tree)
     new_second, scalings, leaf_finite = unzip_leaf_results(updates, first_half, 3)
     step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite)) if guarded else None
 
     second_half = jax.tree.map(
         partial(kernel.leaf_update, hp, step, step_finite), updates, leaves, scalings,
-        none_tree if hp.momentum is None else inner.momentum, params_tree,
-        none_tree if inner.compensation is None else inner.compensation,
+        momentum_tree, params_tree, compensation_tree,
     )
     new_updates, new_first, new_compensation = unzip_leaf_results(updates, second_half, 3)
     new_inner = AdafactorState(

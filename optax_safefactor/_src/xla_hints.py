@@ -100,7 +100,9 @@ def finite_by_sum(x: jax.Array) -> jax.Array:
   computes ``x``, where ``all(isfinite(x))`` writes a full-size boolean temporary
   (a quarter of a float32 parameter) on the CPU backend.
 
-  Pinned by ``tests/test_accumulate.py::test_temporary_bytes_are_at_most_multi_steps``.
+  Pinned by ``tests/test_accumulate.py::test_temporary_bytes_are_at_most_multi_steps``;
+  in the Adafactor step, which checks the old momentum with it, by
+  ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
 
   >>> bool(finite_by_sum(jnp.array([1.0, 2.0]))), bool(finite_by_sum(jnp.array([1.0, jnp.inf])))
   (True, False)

@@ -1,0 +1,186 @@
+"""The reports checked by value: every step number, leaf path and count, after known poison.
+
+A report that says "non-finite" and names some leaf passes a test that greps for the leaf;
+these tests compare whole messages, whole dicts and whole summary lines, over runs where
+each leaf goes bad at a different step, so that an off-by-one step, a leaf named that was
+bad earlier but not at the step reported, or a guard's counts under another guard's name
+each change the text.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_safefactor as osf
+
+SHAPES = {"a": (3,), "b": (2, 2), "c": (4,)}
+HELD = "Params and optimizer state hold the last finite step."
+
+
+def _params():
+  return {name: jnp.ones(shape) for name, shape in SHAPES.items()}
+
+
+def _grads(bad=(), value=jnp.nan, good=1.0):
+  """Gradients of ``good`` with the leaves named in ``bad`` set to ``value``."""
+  return {name: jnp.full(shape, value if name in bad else good)
+          for name, shape in SHAPES.items()}
+
+
+# a alone is bad at step 1, b and c at step 2: the error raised at step 2 names b and c only.
+STREAK = [_grads(), _grads({"a"}), _grads({"b", "c"}, jnp.inf)]
+STREAK_ERROR = ("2 consecutive optimizer steps were non-finite and skipped (max_consecutive=2); "
+                f"at step 2 the non-finite leaves were: params['b'], params['c']. {HELD}")
+
+STOPPING = {
+    "safefactor": lambda: osf.safefactor(0.1, max_consecutive_skips=2),
+    "skip_nonfinite": lambda: osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STOPPING))
+def test_max_consecutive_error_names_the_last_step_and_its_leaves_eagerly(name):
+  # Guards against an error that reports the step after the last skip (the counter
+  # already incremented), or every leaf of the streak, or every leaf of the tree.
+  tx = STOPPING[name]()
+  params = _params()
+  state = tx.init(params)
+  for grads in STREAK[:-1]:
+    _, state = tx.update(grads, state, params)
+  with pytest.raises(osf.NonFiniteStepsError) as caught:
+    tx.update(STREAK[-1], state, params)
+  assert str(caught.value) == STREAK_ERROR
+
+
+@pytest.mark.parametrize("name", sorted(STOPPING))
+def test_max_consecutive_error_names_the_last_step_and_its_leaves_under_jit(name):
+  # Under jit the error is raised on the host by a callback and JAX wraps it: the
+  # message it carries must be the same, word for word, as the eager one.
+  tx = STOPPING[name]()
+  params = _params()
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for grads in STREAK[:-1]:
+    _, state = update(grads, state, params)
+  jax.block_until_ready(state)
+  with pytest.raises(jax.errors.JaxRuntimeError) as caught:
+    _, state = update(STREAK[-1], state, params)
+    jax.block_until_ready(state)
+  assert f"NonFiniteStepsError: {STREAK_ERROR}" in str(caught.value), str(caught.value)
+
+
+def test_check_nonfinite_steps_names_the_leaves_of_the_last_step_only():
+  # Guards against naming every leaf that was ever non-finite: a was bad at step 0 and
+  # b at step 1; at step 1, the last skip, only b was.
+  tx = osf.safefactor(0.1)
+  params = _params()
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for grads in (_grads({"a"}), _grads({"b"}, jnp.inf)):
+    _, state = update(grads, state, params)
+  osf.check_nonfinite_steps(state, max_consecutive=3)  # a streak of 2 is under 3
+  with pytest.raises(osf.NonFiniteStepsError) as caught:
+    osf.check_nonfinite_steps(state, max_consecutive=2)
+  assert str(caught.value) == (
+      "2 consecutive optimizer steps were non-finite and skipped (max_consecutive=2); at "
+      f"step 1 the non-finite leaves were: params['b']. {HELD}")
+
+
+def test_check_nonfinite_steps_names_the_leaves_of_the_last_micro_batch_only():
+  tx = osf.accumulate_gradients(optax.sgd(0.1), every_k=2)
+  params = _params()
+  state = tx.init(params)
+  for grads in (_grads(), _grads({"a", "b"}), _grads({"c"}, jnp.inf)):
+    _, state = tx.update(grads, state, params)
+  with pytest.raises(osf.NonFiniteStepsError) as caught:
+    osf.check_nonfinite_steps(state, max_consecutive=2)
+  assert str(caught.value) == (
+      "2 consecutive micro-batches were non-finite and skipped (max_consecutive=2); at "
+      "micro-batch 2 the non-finite leaves were: params['c']. The accumulator holds the "
+      "finite micro-batches only.")
+
+
+# --- three guards in one state, each skipping at known calls ---------------------------------
+#
+# accumulate_gradients(every_k=2) around an outer skip_nonfinite, around a chain of an inner
+# skip_nonfinite(scale(1e20)) and scale(1e20). With gradients of 1e-3 nothing overflows; a
+# mean of 1 overflows the outer guard only (1e40), a mean of 1e19 the inner one (1e39, and
+# the inner guard's zeros are finite for the outer one); a NaN or Inf micro-batch is left
+# out by the accumulation before either guard sees it.
+
+SMALL, OUTER_OVERFLOW, INNER_OVERFLOW = 1e-3, 1.0, 1e19
+LEAVES = {"a": (3,), "b": (2, 2)}
+
+
+def _filled(values):
+  return {name: jnp.full(shape, values.get(name, SMALL)) for name, shape in LEAVES.items()}
+
+
+MICRO_BATCHES = [
+    _filled({}),                                  # 0
+    _filled({"a": jnp.nan}),                      # 1: left out (a)
+    _filled({}),                                  # 2: completes step 0, applied by both guards
+    _filled({"a": OUTER_OVERFLOW}),               # 3
+    _filled({"a": OUTER_OVERFLOW}),               # 4: completes step 1, outer guard skips (a)
+    _filled({"b": jnp.inf}),                      # 5: left out (b)
+    _filled({"b": INNER_OVERFLOW}),               # 6
+    _filled({"b": INNER_OVERFLOW}),               # 7: completes step 2, inner guard skips (b)
+]
+
+
+@functools.cache
+def _three_guards_state():
+  inner = osf.skip_nonfinite(optax.scale(1e20))
+  tx = osf.accumulate_gradients(osf.skip_nonfinite(optax.chain(inner, optax.scale(1e20))), 2)
+  params = {name: jnp.ones(shape) for name, shape in LEAVES.items()}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for grads in MICRO_BATCHES:
+    _, state = update(grads, state, params)
+  return state
+
+
+def test_report_of_three_guards_by_value():
+  # Guards against counts charged to the wrong guard, leaf or step. The inner guard's
+  # counters are part of the outer guard's state, so the step the outer guard skipped
+  # (step 1) left them as they were: the inner guard saw 2 steps, not 3.
+  report = osf.nonfinite_report(_three_guards_state())
+  assert report == {
+      "skipped_steps": 1, "consecutive_skips": 0, "steps": 3,
+      "nonfinite_steps/params['a']": 1, "nonfinite_steps/params['b']": 0,
+      "last_nonfinite_step/params['a']": 1, "last_nonfinite_step/params['b']": -1,
+      "guard1/skipped_steps": 1, "guard1/consecutive_skips": 1, "guard1/steps": 2,
+      "guard1/nonfinite_steps/params['a']": 0, "guard1/nonfinite_steps/params['b']": 1,
+      "guard1/last_nonfinite_step/params['a']": -1,
+      "guard1/last_nonfinite_step/params['b']": 1,
+      "skipped_micro_batches": 2, "consecutive_skipped_micro_batches": 0,
+      "micro_batches": 8,
+      "nonfinite_micro_batches/params['a']": 1, "nonfinite_micro_batches/params['b']": 1,
+      "last_nonfinite_micro_batch/params['a']": 1,
+      "last_nonfinite_micro_batch/params['b']": 5,
+      "total_skipped_steps": 4,
+  }
+  assert int(osf.skipped_steps(_three_guards_state())) == 4
+
+
+def test_summary_of_three_guards_by_value():
+  assert osf.nonfinite_summary(_three_guards_state()) == (
+      "4 skipped in total; "
+      "guard0: skipped 1 of 3 steps (0 in a row); non-finite: params['a'] x1 (last at step 1); "
+      "guard1: skipped 1 of 2 steps (1 in a row); non-finite: params['b'] x1 (last at step 1); "
+      "accumulation: skipped 2 of 8 micro-batches (0 in a row); non-finite: params['a'] x1 "
+      "(last at micro-batch 1), params['b'] x1 (last at micro-batch 5)")
+
+
+def test_check_of_three_guards_raises_for_the_guard_in_a_row():
+  # Only the inner guard's last call was skipped: the error is its own, at its own step.
+  state = _three_guards_state()
+  with pytest.raises(osf.NonFiniteStepsError) as caught:
+    osf.check_nonfinite_steps(state, max_consecutive=1)
+  assert str(caught.value) == (
+      "1 optimizer step was non-finite and skipped (max_consecutive=1); at step 1 the "
+      f"non-finite leaves were: params['b']. {HELD}")
+  osf.check_nonfinite_steps(state, max_consecutive=2)
