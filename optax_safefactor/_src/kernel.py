@@ -387,6 +387,7 @@ def leaf_scaling(
   """
   ct, real_ct, plan = leaf.compute_dtype, leaf.real_dtype, leaf.plan
   clipping = hp.clipping_threshold is not None
+  decays = leaf.decays(step)
   # A rounding write-back lands the update on a narrow param: it reads the param.
   reads_param_on_write_back = leaf.rounding is not None and is_narrow(param.dtype)
   new_moment = update_second_moment(grad, moment, plan, step.beta2[real_ct], hp.eps, ct,
@@ -415,9 +416,9 @@ def leaf_scaling(
     # XLA does not copy the clamp into the flag's kernel.
     checked.append(rms)
     multiplier = times(parameter_scale(rms, hp.min_parameter_scale, hp.max_parameter_scale))
-  elif leaf.decays(step) or reads_param_on_write_back:
+  elif decays or reads_param_on_write_back:
     checked.append(param)
-  if leaf.decays(step):
+  if decays:
     # A schedule's NaN rate would make ``rate * param`` NaN, as a NaN learning rate would.
     finite &= jnp.isfinite(jnp.asarray(step.weight_decay_rate, real_ct))
   # The old momentum and compensation are blended into the update: NaN there is NaN in it.
