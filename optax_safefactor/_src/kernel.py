@@ -346,7 +346,8 @@ class Leaf(NamedTuple):
     real_dtype: the real counterpart of ``compute_dtype``: its statistics' arithmetic.
     floor, cap: the floor under its statistics and the cap on its factored scale, in
       ``real_dtype`` (see :class:`numerics.LeafNumbers`).
-    decay_mask: whether weight decay applies: True, False or an array of bools.
+    decays: whether weight decay applies to the leaf at all.
+    decay_mask: where it applies: True (everywhere) or an array of bools.
     rounding: how its wide values are written into narrow params and state, or ``None``
       for round to nearest.
   """
@@ -356,11 +357,9 @@ class Leaf(NamedTuple):
   real_dtype: np.dtype
   floor: jax.Array
   cap: jax.Array
+  decays: bool
   decay_mask: Any
   rounding: Rounding | None
-
-  def decays(self, step: StepValues) -> bool:
-    return step.weight_decay_rate is not None and self.decay_mask is not False
 
 
 class LeafScaling(NamedTuple):
@@ -387,7 +386,7 @@ def leaf_scaling(
   """
   ct, real_ct, plan = leaf.compute_dtype, leaf.real_dtype, leaf.plan
   clipping = hp.clipping_threshold is not None
-  decays = leaf.decays(step)
+  decays = leaf.decays
   # A rounding write-back lands the update on a narrow param: it reads the param.
   reads_param_on_write_back = leaf.rounding is not None and is_narrow(param.dtype)
   new_moment = update_second_moment(grad, moment, plan, step.beta2[real_ct], hp.eps, ct,
@@ -468,7 +467,7 @@ def leaf_update(
     # Reading the update back from the kept state lets the state be written in place;
     # when the state is narrower than the compute dtype, use the exact value.
     update = new_momentum if np.dtype(momentum.dtype) == ct else blended
-  if leaf.decays(step):
+  if leaf.decays:
     mask = None if leaf.decay_mask is True else jnp.asarray(leaf.decay_mask)
     update = decoupled_weight_decay(
         update, param, jnp.asarray(step.weight_decay_rate, leaf.real_dtype), mask)

@@ -123,6 +123,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
           real_dtype=numbers.real,
           floor=numbers.floor,
           cap=numbers.cap,
+          decays=hp.weight_decay_rate is not None and mask is not False,
           decay_mask=mask,
           rounding=(write_back.rounding_for(hp.param_rounding, hp.rounding_seed, inner.count,
                                             path) if rounds_onto_params else None),
