@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -43,7 +44,7 @@ import tomllib
 from pathlib import Path
 
 # The scratch copy and the package check are the fast check's own.
-from mutation_check import IGNORED, copy_tree, package_location
+from mutation_check import IGNORED, copy_tree, first_failure, package_location
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = REPO / "tools" / "mutation_score.toml"
@@ -189,11 +190,12 @@ def run_module(module: str, tests: list[str], args, settings: dict, copy: Path) 
     if not meta_path.exists():
       raise SystemExit(f"{module}: no session in {WORK} to resume")
     meta = json.loads(meta_path.read_text())
-    # cosmic-ray finds a mutant by its operator's occurrence count in the file: on other code
+    # cosmic-ray finds a mutant by its operator's occurrence count in the file: in other code
     # the pending work items would mutate other places.
-    if meta["commit"] != commit():
-      print(f"{module}: warning: the session was made at {meta['commit']}, the tree is at "
-            f"{commit()}", file=sys.stderr)
+    if meta["module_sha256"] != source_hash(copy, module):
+      raise SystemExit(f"{module}: {SOURCE}/{module}.py has changed since the session was "
+                       "made; start it again (without --resume)")
+    print(f"{module}: resuming the session made at {meta['commit']}", flush=True)
   else:
     write_config(config, module, tests, settings["baseline-timeout"])
     start = time.monotonic()
@@ -212,10 +214,11 @@ def run_module(module: str, tests: list[str], args, settings: dict, copy: Path) 
     meta = {"module": module, "tests": tests, "seed": args.seed, "sample": args.sample,
             "baseline_s": round(baseline_s, 1), "timeout_s": round(timeout), **counts,
             "exec_s": 0.0, "label": args.label, "commit": commit(),
+            "module_sha256": source_hash(copy, module),
             "date": datetime.date.today().isoformat()}
-  print(f"{module}: {meta['generated']} mutants generated, {meta['annotations']} in "
-        f"annotations, running {meta['run']} (baseline {meta['baseline_s']:.0f} s, timeout "
-        f"{meta['timeout_s']} s)", flush=True)
+    print(f"{module}: {meta['generated']} mutants generated, {meta['annotations']} in "
+          f"annotations, running {meta['run']} (baseline {meta['baseline_s']:.0f} s, timeout "
+          f"{meta['timeout_s']} s)", flush=True)
   # Written before exec too, so that an interrupted run can be resumed.
   meta_path.write_text(json.dumps(meta, indent=1) + "\n")
   start = time.monotonic()
@@ -227,6 +230,10 @@ def run_module(module: str, tests: list[str], args, settings: dict, copy: Path) 
   (WORK / f"{module}.report.txt").write_text(report.stdout)
   html = cosmic_ray("cr-html", str(session), cwd=copy, capture=True)
   (WORK / f"{module}.html").write_text(html.stdout)
+
+
+def source_hash(copy: Path, module: str) -> str:
+  return hashlib.sha256((copy / SOURCE / f"{module}.py").read_bytes()).hexdigest()
 
 
 def commit() -> str:
@@ -245,7 +252,10 @@ def markdown(results: list[tuple[dict, dict]], verdicts: dict) -> str:
   ran = sum(s["killed"] + s["survived"] + len(s["by"].get("incompetent", []))
             for _, s in results)
   per_mutant = sum(meta["exec_s"] for meta in metas) / ran if ran else math.nan
-  out = [f"## Results: {', '.join(labels)}", "",
+  sampled = any(meta["run"] < meta["candidates"] for meta in metas)
+  scope = "a seeded sample, not the full measurement" if sampled else "every mutant"
+  out = [f"## Results: {', '.join(labels)} ({scope})",
+         "",
          f"Run on {', '.join(sorted({m['date'] for m in metas}))}, at commit "
          f"{', '.join(sorted({m['commit'] for m in metas}))}, with cosmic-ray "
          f"{cosmic_ray_version()}, on a 2-core machine shared with other work. Sample: "
@@ -253,7 +263,8 @@ def markdown(results: list[tuple[dict, dict]], verdicts: dict) -> str:
          + f" (seed {', '.join(sorted({str(m['seed']) for m in metas}))}). "
          f"Wall time {total_s / 60:.1f} min in all (baselines included), "
          f"{per_mutant:.1f} s per mutant.", "",
-         "| module | mutants (in annotations) | run | killed | survived | timeouts | incompetent "
+         "| module | mutants (in annotations) | run | killed | survived | of the killed, timeouts "
+         "| incompetent "
          "| score | baseline | exec | s per mutant |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
   for meta, s in results:
@@ -266,6 +277,18 @@ def markdown(results: list[tuple[dict, dict]], verdicts: dict) -> str:
   out += ["", "Tests per module: " + "; ".join(
       f"{m['module']}: {' '.join(t.removeprefix('tests/') for t in m['tests'])}"
       for m in metas) + ".", ""]
+  # Which file's test failed first: what kills the mutants, and whether the order is right.
+  for meta, s in results:
+    firsts = {}
+    for _, result in s["by"].get("killed", []):
+      where = first_failure(result["output"]).split("::")[0].removeprefix("tests/")
+      firsts[where] = firsts.get(where, 0) + 1
+    if firsts:
+      out += [f"{meta['module']} killed, first failure in: " + ", ".join(
+          f"{where} {n}" for where, n in sorted(firsts.items(), key=lambda kv: -kv[1])) + ".", ""]
+  if not any(s["by"].get(kind) for _, s in results for kind in ("survived", "timeout",
+                                                                 "incompetent")):
+    out += ["No mutant survived, timed out or was incompetent.", ""]
   for meta, s in results:
     for kind in ("survived", "timeout", "incompetent"):
       for item, result in s["by"].get(kind, []):
