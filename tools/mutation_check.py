@@ -33,9 +33,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LIST = REPO / "tools" / "mutations.toml"
-# Never copied: version control, environments, caches and outputs of earlier runs.
+# Never copied: version control, environments, caches and outputs of earlier runs (.mutation:
+# tools/mutation_score.py's sessions).
 IGNORED = (".git", ".venv", "venv", "__pycache__", "*.egg-info", ".hypothesis", ".pytest_cache",
-           ".ruff_cache", "safefactor-demo", "build", "dist")
+           ".ruff_cache", "safefactor-demo", "build", "dist", ".mutation")
 
 
 @dataclass(frozen=True)
