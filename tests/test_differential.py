@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -307,7 +306,7 @@ def _adopt_rounding_of_narrow_momentum(reference, state, momentum_dtypes, comput
     if np.finfo(dtype).bits >= np.finfo(compute_dtypes[path]).bits:
       continue
     expected = reference.first[path]
-    ulp = float(ml_dtypes.finfo(dtype).eps) * np.maximum(np.abs(actual), np.abs(expected))
+    ulp = float(jnp.finfo(dtype).eps) * np.maximum(np.abs(actual), np.abs(expected))
     assert np.all(np.abs(actual - expected) <= ulp), path
     reference.first[path] = actual
 
