@@ -4,11 +4,18 @@ Shazeer and Stern 2018, Algorithms 4 and 5, generalised so that the factored
 statistics keep every axis (keepdims): axes that are neither rows nor columns are
 batch axes and keep their size in both statistics. Clipping and the parameter scale
 span the whole leaf, as in ``optax.adafactor``.
+
+On top of the paper, the safeguards the library documents, each as its formula: every
+statistic is floored at ``max(eps, tiny)`` before it divides anything (``tiny`` being
+the smallest normal of the leaf's real compute dtype: float64 for float64 and
+complex128 leaves, float32 for the rest), and the factored estimate is never taken
+below ``tiny`` (so the scale ``1/sqrt(v_hat)`` is at most ``1/sqrt(tiny)``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,32 +37,79 @@ def reference_plan(shape, factored: bool = True, min_dim_size_to_factor: int = 1
   return (row_axis,), (col_axis,)
 
 
+def reference_plan_from_roles(shape, roles, factored: bool = True,
+                              min_dim_size_to_factor: int = 128):
+  """The plan ``(row_axes, col_axes, batch_axes)`` that per-axis roles ask for.
+
+  ``roles`` is ``None`` (the heuristic for the whole leaf) or one role per axis:
+  ``"row"``, ``"column"``, ``"batch"`` (a separate slice), ``"none"`` (an axis that
+  keeps its size in both statistics and is never factored), or ``None`` (left to the
+  heuristic). Rows and columns named explicitly are factored whatever ``factored`` and
+  the size threshold say; otherwise the heuristic picks among the ``None`` axes only.
+  Unfactored leaves have empty row and column axes.
+  """
+  if roles is None:
+    plan = reference_plan(shape, factored, min_dim_size_to_factor)
+    return ((), (), ()) if plan is None else (*plan, ())
+  rows = tuple(a for a, role in enumerate(roles) if role == "row")
+  cols = tuple(a for a, role in enumerate(roles) if role == "column")
+  batch = tuple(a for a, role in enumerate(roles) if role == "batch")
+  if not rows:
+    open_axes = [a for a, role in enumerate(roles) if role is None]
+    plan = reference_plan([shape[a] for a in open_axes], factored, min_dim_size_to_factor)
+    if plan is not None:
+      rows, cols = (open_axes[plan[0][0]],), (open_axes[plan[1][0]],)
+  return rows, cols, batch
+
+
+def smallest_normal(dtype) -> float:
+  """``tiny`` of the real compute dtype of a leaf of ``dtype``: float64 for 8-byte reals."""
+  real = np.finfo(np.dtype(dtype)).dtype
+  return float(np.finfo(np.float64 if real.itemsize >= 8 else np.float32).tiny)
+
+
+def _round_to(x: np.ndarray, dtype) -> np.ndarray:
+  """``x`` stored in ``dtype`` and read back in float64 (complex128 for complex ``x``)."""
+  wide = np.complex128 if np.iscomplexobj(x) else np.float64
+  return np.asarray(np.asarray(x).astype(dtype), wide)
+
+
 @dataclass
 class ReferenceAdafactor:
-  learning_rate: float | None = None
+  """Numbers are floats; ``learning_rate`` and ``weight_decay_rate`` may also be
+  schedules ``count -> value``, and ``decay_rate_fn`` is ``(local_step, decay_rate) ->
+  beta2``. ``weight_decay_mask`` maps a leaf's name to True, False or an array of bools
+  (``None``: every leaf decays). ``momentum_dtype`` maps a leaf's name to the dtype its
+  first moment is stored in (missing: float64, never rounded)."""
+
+  learning_rate: Any = None
   decay_rate: float = 0.8
   decay_offset: int = 0
   multiply_by_parameter_scale: bool = True
   clipping_threshold: float | None = 1.0
   momentum: float | None = None
-  weight_decay_rate: float | None = None
+  weight_decay_rate: Any = None
   eps: float = 1e-30
   min_parameter_scale: float = 1e-3
   max_parameter_scale: float | None = None
   beta2_cap: float | None = None
+  decay_rate_fn: Any = None
+  weight_decay_mask: dict | None = None
+  momentum_dtype: dict = field(default_factory=dict)
   count: int = 0
   row: dict = field(default_factory=dict)
   col: dict = field(default_factory=dict)
   full: dict = field(default_factory=dict)
   first: dict = field(default_factory=dict)
 
-  def init(self, name: str, shape: tuple[int, ...], plan, batch_axes=()):
+  def init(self, name: str, shape: tuple[int, ...], plan, batch_axes=(), dtype=np.float32):
     """``plan`` is ``(row_axes, col_axes[, batch_axes])`` or ``None`` (unfactored).
 
     Along batch axes every slice is a separate parameter: clipping and the parameter
-    scale are computed per slice.
+    scale are computed per slice. ``dtype`` is the leaf's, for the floor the
+    statistics start at.
     """
-    floor = max(self.eps, np.finfo(np.float32).tiny)
+    floor = max(self.eps, smallest_normal(dtype))
     if plan is not None and len(plan) == 3:
       batch_axes = plan[2]
       plan = plan[:2] if plan[0] else None
@@ -73,20 +127,47 @@ class ReferenceAdafactor:
     """``init`` for every leaf of a flat dict, with the default factoring rule."""
     for name, value in params.items():
       self.init(name, np.shape(value), reference_plan(np.shape(value), factored,
-                                                      min_dim_size_to_factor))
+                                                      min_dim_size_to_factor),
+                dtype=np.asarray(value).dtype)
     return self
 
+  def _at_count(self, value):
+    """A hyperparameter's value this step: a schedule is called with the count."""
+    return float(value(self.count)) if callable(value) else value
+
   def beta2(self) -> float:
-    t = max(self.count - self.decay_offset, 0) + 1
-    beta2 = 1.0 - t ** (-self.decay_rate)
+    local_step = max(self.count - self.decay_offset, 0)
+    if self.decay_rate_fn is None:
+      beta2 = 1.0 - (local_step + 1) ** (-self.decay_rate)
+    else:
+      beta2 = float(self.decay_rate_fn(local_step, self.decay_rate))
     return beta2 if self.beta2_cap is None else min(beta2, self.beta2_cap)
+
+  def _inverse_rms_estimate(self, name: str, tiny: float) -> np.ndarray:
+    """``1/sqrt(v_hat)`` from the floored statistics, ``v_hat`` at least ``tiny``.
+
+    In logarithms, so that no product of two statistics underflows float64 (the
+    statistics of a float64 leaf go down to float64's own ``tiny``).
+    """
+    floor = max(self.eps, tiny)
+    plan = self.plans[name]
+    if plan is None:
+      log_v = np.log(np.maximum(self.full[name], floor))
+    else:
+      row = np.maximum(self.row[name], floor)
+      col = np.maximum(self.col[name], floor)
+      log_v = np.log(row) + np.log(col) - np.log(row.mean(plan[0], keepdims=True))
+    return np.exp(-0.5 * np.maximum(log_v, np.log(tiny)))
 
   def step(self, grads: dict, params: dict) -> dict:
     """One step over a dict of leaves; returns float64 (or complex128) updates."""
     beta2 = self.beta2()
+    learning_rate = self._at_count(self.learning_rate)
+    weight_decay_rate = self._at_count(self.weight_decay_rate)
     updates = {}
     for name, grad in grads.items():
       # Complex leaves get real statistics of |g|**2 (and a real RMS of |p|).
+      tiny = smallest_normal(np.asarray(grad).dtype)
       dtype = np.complex128 if np.iscomplexobj(grad) else np.float64
       g = np.asarray(grad, dtype)
       p = np.asarray(params[name], dtype)
@@ -94,13 +175,11 @@ class ReferenceAdafactor:
       plan = self.plans[name]
       if plan is None:
         self.full[name] = beta2 * self.full[name] + (1 - beta2) * g_sq
-        v_hat = self.full[name]
       else:
         row_axes, col_axes = plan
         self.row[name] = beta2 * self.row[name] + (1 - beta2) * g_sq.mean(col_axes, keepdims=True)
         self.col[name] = beta2 * self.col[name] + (1 - beta2) * g_sq.mean(row_axes, keepdims=True)
-        v_hat = self.row[name] * self.col[name] / self.row[name].mean(row_axes, keepdims=True)
-      u = g / np.sqrt(v_hat)
+      u = g * self._inverse_rms_estimate(name, tiny)
       slice_axes = tuple(a for a in range(g.ndim) if a not in self.batch_axes[name])
 
       def slice_rms(x, slice_axes=slice_axes):
@@ -108,18 +187,23 @@ class ReferenceAdafactor:
 
       if self.clipping_threshold is not None:
         u = u / np.maximum(1.0, slice_rms(u) / self.clipping_threshold)
-      if self.learning_rate is not None:
-        u = u * self.learning_rate
+      if learning_rate is not None:
+        u = u * learning_rate
       if self.multiply_by_parameter_scale:
         scale = np.maximum(slice_rms(p), self.min_parameter_scale)
         if self.max_parameter_scale is not None:
           scale = np.minimum(scale, self.max_parameter_scale)
         u = u * scale
       if self.momentum is not None:
-        self.first[name] = self.momentum * self.first[name] + (1 - self.momentum) * u
-        u = self.first[name]
-      if self.weight_decay_rate is not None:
-        u = u + self.weight_decay_rate * p
+        # The step uses the exact blend; only what is kept for the next step is
+        # stored in the first moment's dtype.
+        u = self.momentum * self.first[name] + (1 - self.momentum) * u
+        self.first[name] = u
+        if name in self.momentum_dtype:
+          self.first[name] = _round_to(u, self.momentum_dtype[name])
+      if weight_decay_rate is not None:
+        mask = True if self.weight_decay_mask is None else self.weight_decay_mask[name]
+        u = u + np.where(mask, weight_decay_rate * p, 0)
       updates[name] = -u
     self.count += 1
     return updates

@@ -229,7 +229,12 @@ def scale_factors(
   row = jnp.maximum(moment.v_row.astype(stat_dtype), floor)
   col = jnp.maximum(moment.v_col.astype(stat_dtype), floor)
   normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
-  factors = (jnp.sqrt(normaliser / row), jax.lax.rsqrt(col))
+  # sqrt(normaliser) * rsqrt(row), not sqrt(normaliser / row): the quotient overflows to
+  # inf (and so to the cap) for a row on the floor once the normaliser passes
+  # max / floor (4 with eps=0, 3.4e8 with eps=1e-30), far from any underflow of the
+  # estimate. Each factor here is at most sqrt(max) * rsqrt(tiny) < max: only the
+  # product can pass the cap, and then it should.
+  factors = (jnp.sqrt(normaliser) * jax.lax.rsqrt(row), jax.lax.rsqrt(col))
   if poison:
     # The normaliser sums every row statistic, so it is non-finite when one of them
     # is (all are non-negative: no cancellation); the columns poison their own factor.
