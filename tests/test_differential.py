@@ -303,7 +303,7 @@ def _adopt_rounding_of_narrow_momentum(reference, state, momentum_dtypes, comput
   for path, dtype in momentum_dtypes.items():
     actual = _wide(stored[path])
     assert np.dtype(stored[path].dtype) == dtype, (path, stored[path].dtype, dtype)
-    if np.finfo(dtype).bits >= np.finfo(compute_dtypes[path]).bits:
+    if jnp.finfo(dtype).bits >= jnp.finfo(compute_dtypes[path]).bits:
       continue
     expected = reference.first[path]
     ulp = float(jnp.finfo(dtype).eps) * np.maximum(np.abs(actual), np.abs(expected))
