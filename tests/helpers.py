@@ -69,6 +69,15 @@ def assert_trees_equal(actual, expected) -> None:
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
+def assert_trees_bitwise_equal(actual, expected) -> None:
+  """Same structure, dtypes, shapes and bits (NaN payloads and signed zeros included)."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    a, e = np.asarray(a), np.asarray(e)
+    assert a.dtype == e.dtype and a.shape == e.shape
+    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), e.reshape(-1).view(np.uint8))
+
+
 def is_all_zero(x) -> bool:
   """True when every element is exactly 0 (NaN is not)."""
   return bool(np.all(np.asarray(x) == 0))

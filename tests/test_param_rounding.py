@@ -26,7 +26,11 @@ from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
 from optax_safefactor._src import bit_streams
-from tests.helpers import mean_of_last_losses, tanh_mlp_regression
+from tests.helpers import (
+    assert_trees_bitwise_equal,
+    mean_of_last_losses,
+    tanh_mlp_regression,
+)
 
 MODES = ("nearest", "stochastic", "kahan")
 SHAPES = {"w": (128, 256), "b": (256,)}
@@ -84,14 +88,6 @@ def _loop(tx, params, grads_list, state=None):
 def _inner(state):
   """The Adafactor state, inside the guard's state when the guard is on."""
   return state.inner_state if isinstance(state, osf.SkipNonfiniteState) else state
-
-
-def _assert_bitwise_equal(actual, expected):
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    a, e = np.asarray(a), np.asarray(e)
-    assert a.dtype == e.dtype and a.shape == e.shape
-    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), e.reshape(-1).view(np.uint8))
 
 
 def _f64(x) -> np.ndarray:
@@ -412,7 +408,7 @@ def test_an_injected_seed_draws_the_bits_of_the_static_seed():
   )(**settings)
   assert injected.init(params).hyperparams["rounding_seed"].dtype == jnp.int32
   grads = [_grads_at(params, 0)]
-  _assert_bitwise_equal(_loop(injected, params, grads)[0], _loop(static, params, grads)[0])
+  assert_trees_bitwise_equal(_loop(injected, params, grads)[0], _loop(static, params, grads)[0])
 
 
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
@@ -430,8 +426,8 @@ def test_a_skipped_step_changes_nothing(mode):
   with_skip = _loop(tx, params, [grads[0], poisoned, *grads[1:]])
   clean = _loop(tx, params, grads)
   assert int(osf.skipped_steps(with_skip[1])) == 1 and int(osf.skipped_steps(clean[1])) == 0
-  _assert_bitwise_equal(with_skip[0], clean[0])
-  _assert_bitwise_equal(with_skip[1].inner_state, clean[1].inner_state)
+  assert_trees_bitwise_equal(with_skip[0], clean[0])
+  assert_trees_bitwise_equal(with_skip[1].inner_state, clean[1].inner_state)
   assert int(clean[1].inner_state.count) == 4
   if mode == "kahan":
     assert any(np.any(np.asarray(c)) for c in jax.tree.leaves(clean[1].inner_state.compensation))
@@ -479,7 +475,7 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_another():
   first = _single_device_run("stochastic")
   again = _loop(_mesh_tx("stochastic"), _mesh_params(0), _mesh_grads())  # traced anew
   other = _single_device_run("stochastic", seed=12)
-  _assert_bitwise_equal(again, first)
+  assert_trees_bitwise_equal(again, first)
   start = _mesh_params(0)
   for name in ("stack", "rows"):
     moved = np.mean(np.asarray(first[0][name]) != np.asarray(start[name]))
@@ -515,7 +511,7 @@ def test_a_mesh_run_equals_the_single_device_run_bit_for_bit(mode, axis_type):
     assert_placed(sharded[0], MESH_SHAPES)
     if mode == "kahan":
       assert_placed(sharded[1].inner_state.compensation, MESH_SHAPES)
-  _assert_bitwise_equal(jax.tree.map(np.asarray, sharded), _single_device_run(mode))
+  assert_trees_bitwise_equal(jax.tree.map(np.asarray, sharded), _single_device_run(mode))
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -537,7 +533,7 @@ def test_resuming_from_an_orbax_checkpoint_is_bit_identical(mode, tmp_path):
                           {"params": params, "opt_state": state})
   restored = checkpointer.restore(tmp_path / "step3", abstract)
   resumed = _loop(tx, restored["params"], grads[3:], restored["opt_state"])
-  _assert_bitwise_equal(resumed, uninterrupted)
+  assert_trees_bitwise_equal(resumed, uninterrupted)
   assert int(osf.skipped_steps(resumed[1])) == 1
 
 
@@ -608,7 +604,7 @@ def test_nnx_optimizer_lands_where_apply_updates_lands():
     before = nnx.as_pure(nnx.state(model, nnx.Param))
     updates = train_step(model, optimizer)
     after = nnx.as_pure(nnx.state(model, nnx.Param))
-    _assert_bitwise_equal(after, optax.apply_updates(before, nnx.as_pure(updates)))
+    assert_trees_bitwise_equal(after, optax.apply_updates(before, nnx.as_pure(updates)))
     _assert_moved(before, after, nnx.as_pure(updates))
   assert int(nnx.as_pure(optimizer.opt_state).inner_state.count) == 3
 
@@ -639,7 +635,7 @@ def test_linen_train_state_lands_where_apply_updates_lands():
   for _ in range(3):
     before = train.params
     train, updates = train_step(train)
-    _assert_bitwise_equal(train.params, optax.apply_updates(before, updates))
+    assert_trees_bitwise_equal(train.params, optax.apply_updates(before, updates))
     _assert_moved(before, train.params, updates)
   assert int(train.opt_state.inner_state.count) == 3
 

@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from tests.helpers import is_all_zero
+from tests.helpers import assert_trees_bitwise_equal, is_all_zero
 
 POISONS = {"nan": jnp.nan, "inf": jnp.inf}
 SHAPES = {"w": (6, 4), "b": (4,)}
@@ -44,15 +44,6 @@ def _tree(seed, dtype=jnp.float32):
 def _poisoned(tree, value):
   """``tree`` with one element of ``w`` set to ``value``."""
   return {**tree, "w": tree["w"].at[1, 2].set(jnp.asarray(value, tree["w"].dtype))}
-
-
-def _assert_bitwise_equal(actual, expected):
-  """Same structure, dtypes and bits (NaN payloads included), leaf by leaf."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    a, e = np.asarray(a), np.asarray(e)
-    assert a.dtype == e.dtype and a.shape == e.shape
-    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), e.reshape(-1).view(np.uint8))
 
 
 def _promotion(uses_optax):
@@ -174,9 +165,9 @@ def test_a_poisoned_input_of_one_call_is_skipped_and_leaves_no_trace(problem, wh
   assert _nonfinite_counts(state) == blamed
   assert {k: int(v) for k, v in state.last_nonfinite_step.items()} == {
       k: POISONED_STEP if n else -1 for k, n in blamed.items()}
-  _assert_bitwise_equal(params, expected_params)
-  _assert_bitwise_equal(state.inner_state, expected_state.inner_state)
-  _assert_bitwise_equal(history[:POISONED_STEP] + history[POISONED_STEP + 1:],
+  assert_trees_bitwise_equal(params, expected_params)
+  assert_trees_bitwise_equal(state.inner_state, expected_state.inner_state)
+  assert_trees_bitwise_equal(history[:POISONED_STEP] + history[POISONED_STEP + 1:],
                         expected_history)
 
 
@@ -191,7 +182,7 @@ def test_a_param_that_no_part_of_the_step_reads_is_not_a_reason_to_skip():
   clean_updates, _ = update(grads, state, params)
   updates, new_state = update(grads, state, _poisoned(params, jnp.nan))
   assert int(osf.skipped_steps(new_state)) == 0
-  _assert_bitwise_equal(updates, clean_updates)
+  assert_trees_bitwise_equal(updates, clean_updates)
 
 
 def test_a_concrete_nonfinite_rate_is_refused_at_construction():
@@ -248,8 +239,8 @@ def test_a_schedule_nonfinite_at_one_applied_step_stalls_there(name, poison):
   skips = STEPS - POISONED_STEP
   assert int(osf.skipped_steps(state)) == skips == int(state.consecutive_skips)
   assert _nonfinite_counts(state) == {"w": skips, "b": skips}
-  _assert_bitwise_equal(params, stalled_params)
-  _assert_bitwise_equal(state.inner_state, stalled_inner)
+  assert_trees_bitwise_equal(params, stalled_params)
+  assert_trees_bitwise_equal(state.inner_state, stalled_inner)
 
 
 # --- state: a poisoned leaf is read, skipped, and kept as it was ------------------------------
@@ -320,8 +311,8 @@ def test_a_poisoned_state_leaf_is_skipped_and_kept_as_it_was(case, poison):
       updates, state = update(_tree(10 + step, dtype), state, params)
       assert all(is_all_zero(u) for u in jax.tree.leaves(updates)), step
       params = optax.apply_updates(params, updates)
-  _assert_bitwise_equal(state.inner_state, poisoned.inner_state)
-  _assert_bitwise_equal(params, kept_params)
+  assert_trees_bitwise_equal(state.inner_state, poisoned.inner_state)
+  assert_trees_bitwise_equal(params, kept_params)
   skips = STEPS - POISONED_STEP
   assert int(osf.skipped_steps(state)) == skips == int(state.consecutive_skips)
   # Charged to the leaf whose state is poisoned, and to no other.
@@ -356,8 +347,8 @@ def test_an_overflowing_second_moment_is_skipped_though_the_updates_are_finite()
   expected_p, expected_state, _ = run(clean)
   assert all(is_all_zero(u) for u in jax.tree.leaves(history[POISONED_STEP]))
   assert _nonfinite_counts(state) == {"w": 0, "b": 1}
-  _assert_bitwise_equal(p, expected_p)
-  _assert_bitwise_equal(state.inner_state, expected_state.inner_state)
+  assert_trees_bitwise_equal(p, expected_p)
+  assert_trees_bitwise_equal(state.inner_state, expected_state.inner_state)
 
 
 # --- accumulate_gradients: what a micro-batch reads ------------------------------------------
@@ -405,8 +396,8 @@ def test_a_poisoned_micro_batch_gradient_is_left_out(poison):
   params, state, history = _accumulate([*clean[:3], bad, *clean[3:]])
   expected_params, expected_state, _ = _accumulate(clean)
   assert is_all_zero(history[3]["w"]) and is_all_zero(history[3]["b"])
-  _assert_bitwise_equal(params, expected_params)
-  _assert_bitwise_equal(state._replace(micro_batches=None),
+  assert_trees_bitwise_equal(params, expected_params)
+  assert_trees_bitwise_equal(state._replace(micro_batches=None),
                         expected_state._replace(micro_batches=None))
   assert int(state.micro_batches.skipped_steps) == 1
   assert _nonfinite_counts(state.micro_batches) == {"w": 1, "b": 0}
@@ -420,8 +411,8 @@ def test_params_poisoned_where_no_group_completes_are_never_read(poison):
   mid_group = [*clean[:2], (clean[2][0], POISONS[poison]), *clean[3:]]
   params, state, _ = _accumulate(mid_group)
   expected_params, expected_state, _ = _accumulate(clean)
-  _assert_bitwise_equal(params, expected_params)
-  _assert_bitwise_equal(state, expected_state)
+  assert_trees_bitwise_equal(params, expected_params)
+  assert_trees_bitwise_equal(state, expected_state)
 
 
 @pytest.mark.parametrize("poison", sorted(POISONS))
@@ -445,8 +436,8 @@ def test_a_stale_accumulator_between_groups_is_ignored(poison):
   clean = _clean_micro_batches()
   params, state, _ = _accumulate(clean, poison_state_before=2, value=POISONS[poison])
   expected_params, expected_state, _ = _accumulate(clean)
-  _assert_bitwise_equal(params, expected_params)
-  _assert_bitwise_equal(state, expected_state)
+  assert_trees_bitwise_equal(params, expected_params)
+  assert_trees_bitwise_equal(state, expected_state)
 
 
 @pytest.mark.parametrize("poison", sorted(POISONS))

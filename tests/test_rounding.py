@@ -46,7 +46,7 @@ from optax_safefactor._src.write_back import (
   stochastic_write_back,
   store,
 )
-from tests.helpers import mean_of_last_losses, tanh_mlp_regression
+from tests.helpers import assert_trees_bitwise_equal, mean_of_last_losses, tanh_mlp_regression
 
 NARROW = [jnp.bfloat16, jnp.float16]
 
@@ -526,14 +526,6 @@ def _run(tx, params, grads_list):
   return params, state
 
 
-def _assert_bitwise_equal(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
-
-
 def test_state_and_structure():
   params = _tree(0)
   for mode in write_back.ROUNDING_MODES:
@@ -571,7 +563,7 @@ def test_params_are_required_except_for_nearest():
   tx = with_param_rounding(optax.sgd(1e-3), "nearest")
   updates, _ = tx.update(grads, tx.init(params))
   want = jax.tree.map(lambda g: (-1e-3 * g.astype(jnp.float32)).astype(g.dtype), grads)
-  _assert_bitwise_equal(updates, want)
+  assert_trees_bitwise_equal(updates, want)
 
 
 @pytest.mark.parametrize("mode", write_back.ROUNDING_MODES)
@@ -580,8 +572,8 @@ def test_float32_params_are_untouched(mode):
   inner = optax.adamw(1e-2, weight_decay=1e-2)
   got_params, got_state = _run(with_param_rounding(inner, mode, seed=3), params, grads)
   want_params, want_state = _run(inner, params, grads)
-  _assert_bitwise_equal(got_params, want_params)
-  _assert_bitwise_equal(got_state.inner_state, want_state)
+  assert_trees_bitwise_equal(got_params, want_params)
+  assert_trees_bitwise_equal(got_state.inner_state, want_state)
 
 
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
@@ -603,9 +595,9 @@ def test_updates_land_on_the_rounded_targets(mode):
       return kahan_write_back(param, exact, jnp.zeros_like(param))
 
     want, compensation = expected(param, grads[name])
-    _assert_bitwise_equal(updates[name], want)
+    assert_trees_bitwise_equal(updates[name], want)
     if mode == "kahan":
-      _assert_bitwise_equal(new_state.compensation[name], compensation)
+      assert_trees_bitwise_equal(new_state.compensation[name], compensation)
   assert int(new_state.count) == 1
 
 
@@ -623,7 +615,7 @@ def test_steps_and_seeds_draw_different_bits():
   assert differ(*results[0]) > 0.1 and differ(results[0][0], results[1][0]) > 0.1
   tx = with_param_rounding(optax.sgd(2e-3), "stochastic", seed=0)
   again, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-  _assert_bitwise_equal(again, results[0][0])
+  assert_trees_bitwise_equal(again, results[0][0])
 
 
 @pytest.mark.parametrize("mode", write_back.ROUNDING_MODES)
@@ -656,8 +648,8 @@ def test_a_skipped_step_changes_nothing(mode):
   with_skip_params, with_skip_state = _run(tx, params, [good[0], poisoned, good[1], good[2]])
   clean_params, clean_state = _run(tx, params, good)
   assert int(osf.skipped_steps(with_skip_state)) == 1
-  _assert_bitwise_equal(with_skip_params, clean_params)
-  _assert_bitwise_equal(with_skip_state.inner_state, clean_state.inner_state)
+  assert_trees_bitwise_equal(with_skip_params, clean_params)
+  assert_trees_bitwise_equal(with_skip_state.inner_state, clean_state.inner_state)
   assert int(with_skip_state.inner_state.count) == 3
 
 
@@ -677,8 +669,8 @@ def test_sharded_runs_equal_single_device_runs_bit_for_bit(axis_type, mode):
       if mode == "kahan":
         assert state.compensation[name].sharding.is_equivalent_to(
             NamedSharding(mesh, spec), len(SHAPES[name]))
-  _assert_bitwise_equal(jax.tree.map(np.asarray, params), single_params)
-  _assert_bitwise_equal(jax.tree.map(np.asarray, state), single_state)
+  assert_trees_bitwise_equal(jax.tree.map(np.asarray, params), single_params)
+  assert_trees_bitwise_equal(jax.tree.map(np.asarray, state), single_state)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
