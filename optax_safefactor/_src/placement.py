@@ -117,16 +117,6 @@ def _rebox(box: Any, param_shape: Sequence[int], value: Any) -> Any:
   return box.replace(value=value, names=_fitted_names(box.names, param_shape, value.shape))
 
 
-def rebox_like(box: Any, value: Any) -> Any:
-  """``value`` in a box like ``box``, with sharding names fitted to ``value``'s shape.
-
-  Plain values (no box) are returned unchanged.
-  """
-  if not is_box(box):
-    return value
-  return _rebox(box, unbox(box).shape, value)
-
-
 # Arrays ----------------------------------------------------------------------------
 
 
@@ -180,15 +170,6 @@ def leaf_placement(param: Any) -> LeafPlacement:
   if _is_linen_box(param):
     return LeafPlacement(param.unbox(), param)
   return LeafPlacement(param)
-
-
-def state_like(param: Any, shape: Sequence[int], fill_value: Any, dtype: Any) -> Any:
-  """``jnp.full(shape, fill_value, dtype)`` placed like ``param``, less its reduced axes.
-
-  ``param`` may be a flax box: the result is then boxed like it, with sharding names
-  fitted to ``shape``.
-  """
-  return leaf_placement(param).full(shape, fill_value, dtype)
 
 
 def _matches_params(params: Any, subtree: Any) -> bool:
