@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+import optax_safefactor as osf
 
 
 def random_tree(rng: np.random.Generator, shapes: dict, dtype=jnp.float32, scale=1.0) -> dict:
@@ -19,19 +23,40 @@ def random_tree(rng: np.random.Generator, shapes: dict, dtype=jnp.float32, scale
 
 def run_steps(
     tx: optax.GradientTransformation,
-    params: dict,
-    grads_for_step: Callable[[int], dict],
-    steps: int,
+    params,
+    grads: Callable[[int], dict] | Sequence,
+    steps: int | None = None,
     jit: bool = True,
+    *,
+    state=None,
+    apply_updates: bool = True,
+    dtype_promotion: str | None = None,
 ):
-  """Apply ``steps`` updates; returns (params, state, list of per-step updates)."""
-  state = tx.init(params)
-  update = jax.jit(tx.update) if jit else tx.update
-  history = []
-  for step in range(steps):
-    updates, state = update(grads_for_step(step), state, params)
-    params = optax.apply_updates(params, updates)
-    history.append(updates)
+  """The optax loop: ``update``, then ``apply_updates``; returns (params, state, updates).
+
+  ``grads`` is a sequence of gradient trees, or a function of the step's index (then
+  ``steps`` says how many steps). ``state`` continues a run (by default ``tx.init``);
+  ``apply_updates=False`` keeps the params as given, every step reading the same ones.
+  ``dtype_promotion="standard"`` runs the loop under that promotion (optax's
+  ``MultiSteps`` and ``adam`` mix int and float counts).
+  """
+  if callable(grads):
+    if steps is None:
+      raise TypeError("run_steps: a function of the step needs `steps`")
+    grads = [grads(step) for step in range(steps)]
+  elif steps is not None:
+    grads = list(grads)[:steps]
+  with contextlib.ExitStack() as stack:
+    if dtype_promotion is not None:
+      stack.enter_context(jax.numpy_dtype_promotion(dtype_promotion))
+    state = tx.init(params) if state is None else state
+    update = jax.jit(tx.update) if jit else tx.update
+    history = []
+    for step_grads in grads:
+      updates, state = update(step_grads, state, params)
+      if apply_updates:
+        params = optax.apply_updates(params, updates)
+      history.append(updates)
   return params, state, history
 
 
@@ -184,3 +209,70 @@ def trained_by_plain_loop(tx, params, loss, steps: int):
   for _ in range(steps):
     params, state = step(params, state)
   return params
+
+
+# --- the registry: every public transformation, every wrapper, every ecosystem ---------------
+#
+# The contract test (test_contract.py) runs each transformation inside each wrapper against
+# the float64 reference; the ecosystem test (test_ecosystems.py) runs each one through each
+# ecosystem; the guard tests take the guarded ones. A new public transformation gets an
+# entry here and so reaches every one of those tests.
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformation:
+  """How the tests build one public transformation, and the reference update it equals."""
+
+  build: Callable[[], optax.GradientTransformation]
+  # tests.reference.ReferenceAdafactor's config for the same update, and its factoring size.
+  reference: dict
+  min_dim_size_to_factor: int = 128
+  # Calls of ``update`` per applied step: the updates of the other calls are zero, and the
+  # applied one steps on the mean of the group's gradients.
+  every_k: int = 1
+  # Skips a non-finite step and counts it (``osf.skipped_steps`` finds a guard).
+  guarded: bool = True
+
+
+TRANSFORMATIONS = {
+    "safefactor": Transformation(lambda: osf.safefactor(0.1), dict(learning_rate=0.1)),
+    "safefactor_momentum": Transformation(
+        lambda: osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-4),
+        dict(learning_rate=0.1, momentum=0.9, weight_decay_rate=1e-4)),
+    # scale(-0.02) after the scaling: a learning rate of 0.02 and nothing else.
+    "scale_by_safe_factored_rms": Transformation(
+        lambda: optax.chain(osf.scale_by_safe_factored_rms(min_dim_size_to_factor=8),
+                            optax.scale(-0.02)),
+        dict(learning_rate=0.02, multiply_by_parameter_scale=False, clipping_threshold=None),
+        min_dim_size_to_factor=8, guarded=False),
+    "skip_nonfinite": Transformation(
+        lambda: osf.skip_nonfinite(
+            optax.chain(osf.scale_by_safe_factored_rms(), optax.scale(-0.02))),
+        dict(learning_rate=0.02, multiply_by_parameter_scale=False, clipping_threshold=None)),
+    "with_param_rounding": Transformation(
+        lambda: osf.with_param_rounding(
+            osf.safefactor(0.1, momentum=0.9, min_dim_size_to_factor=8), "kahan"),
+        dict(learning_rate=0.1, momentum=0.9), min_dim_size_to_factor=8),
+    "accumulate_gradients": Transformation(
+        lambda: osf.accumulate_gradients(osf.safefactor(0.1, weight_decay_rate=1e-4), 2),
+        dict(learning_rate=0.1, weight_decay_rate=1e-4), every_k=2),
+}
+
+# optax's wrappers, each given the transformation of a tree {"w", "b", "frozen"} whose
+# "frozen" leaf it must leave alone where it masks, and how many calls it groups into one.
+WRAPPERS = {
+    "plain": lambda tx: tx,
+    "chain": lambda tx: optax.chain(optax.clip_by_global_norm(10.0), tx),
+    "multi_transform": lambda tx: optax.multi_transform(
+        {"opt": tx, "frozen": optax.set_to_zero()}, {"w": "opt", "b": "opt", "frozen": "frozen"}),
+    "masked": lambda tx: optax.chain(
+        optax.masked(tx, {"w": True, "b": True, "frozen": False}),
+        optax.masked(optax.set_to_zero(), {"w": False, "b": False, "frozen": True})),
+    "multi_steps": lambda tx: optax.MultiSteps(tx, every_k_schedule=2),
+    "apply_if_finite": lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=3),
+}
+WRAPPER_EVERY_K = {"multi_steps": 2}
+
+# Where the transformations must work as they do in a plain loop: test_ecosystems.py has
+# one test per entry, each run over every transformation.
+ECOSYSTEMS = ("orbax", "mesh", "nnx", "linen")

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from tests.helpers import assert_trees_close, assert_trees_equal, tree_all_finite
+from tests.helpers import assert_trees_close, assert_trees_equal, run_steps, tree_all_finite
 
 K = 4
 SHAPES = {"w": (8, 6), "b": (6,)}
@@ -50,26 +50,19 @@ def _inner():
 
 
 @functools.cache
-def _jitted(name):
-  """One compiled update per configuration, shared by the tests."""
-  tx = {
+def _transformation(name):
+  """One transformation per configuration, shared by the tests (and so its compiled update)."""
+  return {
       "safefactor": lambda: osf.accumulate_gradients(_inner(), K),
       "sgd": lambda: osf.accumulate_gradients(optax.sgd(1e-3), K),
       "identity": lambda: osf.accumulate_gradients(optax.identity(), K),
   }[name]()
-  return tx, jax.jit(tx.update)
 
 
 def _run(name, grads_sequence, params=None, state=None):
-  tx, update = _jitted(name)
-  params = _params() if params is None else params
-  state = tx.init(params) if state is None else state
-  history = []
-  for grads in grads_sequence:
-    updates, state = update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    history.append(updates)
-  return params, state, history
+  # The same tx each time: jax.jit(tx.update) finds the update compiled before.
+  return run_steps(_transformation(name), _params() if params is None else params,
+                   grads_sequence, state=state)
 
 
 def _without_counters(state):

@@ -3,13 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from tests.helpers import assert_trees_equal
+from tests.helpers import assert_trees_equal, run_steps
 
 SHAPES = {"w": (256, 512), "b": (512,), "stack": (3, 256, 128)}
 SPECS = {"w": P("data", "model"), "b": P("model"), "stack": P(None, "data", "model")}
@@ -30,11 +29,8 @@ def _grads(step):
 
 
 def _steps(tx, params, state, start, stop, place=lambda tree: tree):
-  update = jax.jit(tx.update)
-  for step in range(start, stop):
-    updates, state = update(place(_grads(step)), state, params)
-    params = optax.apply_updates(params, updates)
-  return params, state
+  return run_steps(tx, params, lambda step: place(_grads(start + step)), stop - start,
+                   state=state)[:2]
 
 
 def _abstract(tree):

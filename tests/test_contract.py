@@ -9,29 +9,8 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from tests.helpers import max_relative_error
+from tests.helpers import TRANSFORMATIONS, WRAPPER_EVERY_K, WRAPPERS, max_relative_error
 from tests.reference import ReferenceAdafactor
-
-FACTORIES = {
-    "safefactor": lambda: osf.safefactor(0.1),
-    "safefactor_momentum": lambda: osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-4),
-    "scale_by_safe_factored_rms": lambda: optax.chain(
-        osf.scale_by_safe_factored_rms(min_dim_size_to_factor=8), optax.scale(-0.02)),
-    "skip_nonfinite": lambda: osf.skip_nonfinite(
-        optax.chain(osf.scale_by_safe_factored_rms(), optax.scale(-0.02))),
-}
-
-WRAPPERS = {
-    "plain": lambda tx: tx,
-    "chain": lambda tx: optax.chain(optax.clip_by_global_norm(10.0), tx),
-    "multi_transform": lambda tx: optax.multi_transform(
-        {"opt": tx, "frozen": optax.set_to_zero()}, {"w": "opt", "b": "opt", "frozen": "frozen"}),
-    "masked": lambda tx: optax.chain(
-        optax.masked(tx, {"w": True, "b": True, "frozen": False}),
-        optax.masked(optax.set_to_zero(), {"w": False, "b": False, "frozen": True})),
-    "multi_steps": lambda tx: optax.MultiSteps(tx, every_k_schedule=2),
-    "apply_if_finite": lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=3),
-}
 
 TARGET = {"w": jnp.linspace(-1.0, 1.0, 16 * 12).reshape(16, 12), "b": jnp.full((12,), 0.5),
           "frozen": jnp.ones((3,))}
@@ -41,27 +20,17 @@ def _loss(params):
   return sum(jnp.sum((params[k] - TARGET[k]) ** 2) for k in ("w", "b"))
 
 
-# Each factory as the float64 reference: its config and min_dim_size_to_factor.
-REFERENCE_CONFIGS = {
-    "safefactor": (dict(learning_rate=0.1), 128),
-    "safefactor_momentum": (dict(learning_rate=0.1, momentum=0.9, weight_decay_rate=1e-4), 128),
-    # scale(-0.02) after the scaling: a learning rate of 0.02 and nothing else.
-    "scale_by_safe_factored_rms": (
-        dict(learning_rate=0.02, multiply_by_parameter_scale=False, clipping_threshold=None), 8),
-    "skip_nonfinite": (
-        dict(learning_rate=0.02, multiply_by_parameter_scale=False, clipping_threshold=None), 128),
-}
-
-
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
-@pytest.mark.parametrize("factory", sorted(FACTORIES))
+@pytest.mark.parametrize("factory", sorted(TRANSFORMATIONS))
 def test_factory_inside_wrapper(factory, wrapper):
-  tx = WRAPPERS[wrapper](FACTORIES[factory]())
+  subject = TRANSFORMATIONS[factory]
+  tx = WRAPPERS[wrapper](subject.build())
   params = {"w": jnp.zeros((16, 12)) + 0.1, "b": jnp.zeros((12,)) + 0.1, "frozen": jnp.ones((3,))}
   state = tx.init(params)
-  config, min_dim = REFERENCE_CONFIGS[factory]
-  reference = ReferenceAdafactor(**config).init_all(
-      {k: params[k] for k in ("w", "b")}, min_dim_size_to_factor=min_dim)
+  reference = ReferenceAdafactor(**subject.reference).init_all(
+      {k: params[k] for k in ("w", "b")}, min_dim_size_to_factor=subject.min_dim_size_to_factor)
+  # Calls grouped into one applied step, by the wrapper and by the transformation itself.
+  every_k = WRAPPER_EVERY_K.get(wrapper, 1) * subject.every_k
   traces = []
 
   @jax.jit
@@ -72,14 +41,14 @@ def test_factory_inside_wrapper(factory, wrapper):
     return optax.apply_updates(params, updates), state, grads, updates
 
   with jax.numpy_dtype_promotion("standard"):  # optax's own wrappers mix dtypes
-    for i in range(60):
+    for i in range(60 * every_k):
       before = {k: np.asarray(params[k], np.float64) for k in ("w", "b")}
       params, state, grads, updates = step(params, state)
       # Every update is the float64 reference's, given the same params and gradients:
       # "the loss went down" (the old check) passes a sign error in one leaf, a wrong
-      # learning rate or a dropped momentum. MultiSteps applies the mean of two equal
-      # gradients (params do not move in between) on every second call.
-      if wrapper == "multi_steps" and i % 2 == 0:
+      # learning rate or a dropped momentum. MultiSteps and accumulate_gradients apply the
+      # mean of equal gradients (params do not move in between) on every k-th call.
+      if (i + 1) % every_k:
         assert all(not np.any(np.asarray(updates[k])) for k in ("w", "b"))
         continue
       grads = {k: np.asarray(grads[k], np.float64) for k in ("w", "b")}

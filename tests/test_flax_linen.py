@@ -1,4 +1,4 @@
-"""Flax Linen: TrainState, and the logical-partitioning flow from eval_shape to jit(init)."""
+"""Flax Linen: logical partitioning, eval_shape to jit(init); TrainState: test_ecosystems.py."""
 
 import chex
 import flax.linen as nn
@@ -68,14 +68,6 @@ def _plain_params(tx, steps):
 def _create(rng, tx):
   variables = MODEL.init(rng, jnp.ones((1, 256)))
   return train_state.TrainState.create(apply_fn=MODEL.apply, params=variables["params"], tx=tx)
-
-
-def test_train_state_trains():
-  tx = osf.safefactor(5e-2, momentum=0.9)
-  state, losses = _train(nn.meta.unbox(_create(jax.random.PRNGKey(0), tx)), 8)
-  assert losses[-1] < 0.7 * losses[0]
-  assert int(osf.skipped_steps(state.opt_state)) == 0
-  chex.assert_trees_all_close(state.params, _plain_params(tx, 8), rtol=1e-6, atol=1e-8)
 
 
 def test_logical_partitioning_flow_names_the_reduced_axes_none():

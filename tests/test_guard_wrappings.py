@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from tests.helpers import assert_trees_close
+from tests.helpers import TRANSFORMATIONS, assert_trees_close, run_steps
 
 # Finite gradients whose square overflows float32: finite micro-batches for MultiSteps
 # (whose own accumulator a NaN would poison), non-finite statistics inside the step.
@@ -21,17 +21,23 @@ OVERFLOW_STEPS = (2, 5)
 NAN_STEPS = (3,)
 STEPS = 8
 
+# safefactor's keyword arguments, for the configurations that inject_hyperparams rebuilds too.
+SAFEFACTOR_CONFIGS = {
+    "safefactor": TRANSFORMATIONS["safefactor"].reference,
+    "safefactor_momentum": TRANSFORMATIONS["safefactor_momentum"].reference,
+    "safefactor_no_clipping": dict(learning_rate=0.05, clipping_threshold=None),
+}
+# Every guarded transformation of the registry that steps on every call, and the guards that
+# only these tests build: an opt-in guard, and skip_nonfinite around an unguarded safefactor.
 GUARDED = {
-    "safefactor": lambda: osf.safefactor(0.05, momentum=0.9, weight_decay_rate=1e-3),
-    "safefactor_no_clipping": lambda: osf.safefactor(0.05, clipping_threshold=None),
+    **{name: t.build for name, t in TRANSFORMATIONS.items() if t.guarded and t.every_k == 1},
+    "safefactor_no_clipping": lambda: osf.safefactor(
+        **SAFEFACTOR_CONFIGS["safefactor_no_clipping"]),
     "scale_by_safe_factored_rms_guarded": lambda: optax.chain(
         osf.scale_by_safe_factored_rms(min_dim_size_to_factor=4, skip_nonfinite_steps=True),
         optax.scale(-0.05)),
     "skip_nonfinite_around_unguarded_safefactor": lambda: osf.skip_nonfinite(
         osf.safefactor(0.05, skip_nonfinite_steps=False)),
-    "skip_nonfinite_around_scale_by_safe_factored_rms": lambda: osf.skip_nonfinite(
-        optax.chain(osf.scale_by_safe_factored_rms(min_dim_size_to_factor=4),
-                    optax.scale(-0.05))),
 }
 
 WRAPPERS = {
@@ -58,13 +64,7 @@ def _grads(step: int):
 
 
 def _run(tx, steps=STEPS, grads_for=_grads):
-  params = _params()
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  for step in range(steps):
-    updates, state = update(grads_for(step), state, params)
-    params = optax.apply_updates(params, updates)
-  return params, state
+  return run_steps(tx, _params(), grads_for, steps)[:2]
 
 
 def _finite_only(step):
@@ -90,15 +90,13 @@ def test_wrapping_skips_the_same_steps(guarded, wrapper):
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("guarded", ["safefactor", "safefactor_no_clipping"])
+@pytest.mark.parametrize("guarded", sorted(SAFEFACTOR_CONFIGS))
 def test_inject_hyperparams_skips_the_same_steps(guarded):
   # inject_hyperparams rebuilds the transformation on every update; the guard is rebuilt
   # with it.
-  kwargs = {"safefactor": dict(momentum=0.9, weight_decay_rate=1e-3),
-            "safefactor_no_clipping": dict(clipping_threshold=None)}[guarded]
-  bare_params, bare_state = _run(GUARDED[guarded]())
+  bare_params, bare_state = _run(osf.safefactor(**SAFEFACTOR_CONFIGS[guarded]))
   tx = optax.inject_hyperparams(osf.safefactor, static_args=("min_dim_size_to_factor",))(
-      learning_rate=0.05, **kwargs)
+      **SAFEFACTOR_CONFIGS[guarded])
   with jax.numpy_dtype_promotion("standard"):
     params, state = _run(tx)
   assert int(osf.skipped_steps(state)) == int(osf.skipped_steps(bare_state)) == 3

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
+from tests.helpers import run_steps
 
 PARAMS = {"w": jnp.ones((3, 2)), "v": jnp.ones((4,))}
 
@@ -24,13 +25,9 @@ def _filled(value_for):
 
 
 def _run(tx, grads_sequence):
-  state = tx.init(PARAMS)
-  update = jax.jit(tx.update)
-  history = []
-  with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float counts
-    for grads in grads_sequence:
-      updates, state = update(grads, state, PARAMS)
-      history.append(updates)
+  # Every step reads the same params; MultiSteps mixes int and float counts.
+  _, state, history = run_steps(tx, PARAMS, grads_sequence, apply_updates=False,
+                                dtype_promotion="standard")
   return state, history
 
 
