@@ -54,7 +54,7 @@ def _plain_params(tx, steps):
 
   The same model and data as ``_train``, without TrainState, a mesh or logical metadata:
   what TrainState must reproduce (the loop's numerics are checked against the float64
-  reference in test_moments.py and test_alias.py).
+  reference in test_kernel.py and test_alias.py).
   """
   params = nn.meta.unbox(MODEL.init(jax.random.PRNGKey(0), jnp.ones((1, 256)))["params"])
   inputs, targets = _inputs()

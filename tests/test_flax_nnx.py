@@ -57,7 +57,7 @@ def _plain_params(tx, steps=STEPS):
 
   The same model and data as ``_train``, without nnx.Optimizer, a mesh or partitioning
   metadata: what nnx.Optimizer must reproduce (the loop's numerics are checked against
-  the float64 reference in test_moments.py and test_alias.py).
+  the float64 reference in test_kernel.py and test_alias.py).
   """
   graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
   inputs, targets = _data()

@@ -412,7 +412,7 @@ def test_an_injected_seed_draws_the_bits_of_the_static_seed():
 # Each device holds whole slices of the batch axes, so every reduction of the step
 # (statistics, clipping, parameter scale) is local and its float32 arithmetic the same as
 # on one device: then the runs can agree bit for bit, and any difference comes from the
-# rounding. Slices across reduced axes sum in another order (test_sharding.py compares
+# rounding. Slices across reduced axes sum in another order (test_placement.py compares
 # those with a tolerance). The bits themselves are checked on 2-D shards in test_rounding.py.
 MESH_SHAPES = {"stack": (2, 4, 64, 128), "rows": (8, 256)}
 MESH_SPECS = {"stack": P("data", "model", None, None), "rows": P(("data", "model"), None)}

@@ -1,9 +1,17 @@
-"""The factoring plan: the optax heuristic, and reading it back off the state's shapes."""
+"""The factoring plan: the optax heuristic, its round trip through the state's shapes, and
+factor rules (per-axis roles, batch axes for stacked layers and experts, logical names)."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import optax_safefactor as osf
 from optax_safefactor._src.plan import FactorPlan, default_plan, plan_from_stat_shapes
+from tests.helpers import assert_trees_close, max_relative_error, random_tree, run_steps
+from tests.reference import ReferenceAdafactor
 
 
 def test_heuristic_matches_optax_choice():
@@ -27,3 +35,87 @@ def test_plan_round_trips_through_the_stat_shapes(shape, min_size):
   # Axes of size 1 carry no role; every other factored axis is read back exactly.
   assert read_back.row_axes == tuple(a for a in plan.row_axes if shape[a] != 1)
   assert read_back.col_axes == tuple(a for a in plan.col_axes if shape[a] != 1)
+
+
+LAYERS, ROWS, COLS = 4, 130, 140
+CONFIG = dict(learning_rate=0.05, momentum=0.9, weight_decay_rate=1e-3)
+
+
+def _stacked_vs_separate(factor_rules):
+  rng = np.random.default_rng(0)
+  # Layers of very different scales, so per-layer and whole-stack statistics differ.
+  layer_scales = np.array([0.01, 0.1, 1.0, 10.0])[:, None, None]
+  stacked = {"w": jnp.asarray(rng.normal(size=(LAYERS, ROWS, COLS)) * layer_scales, jnp.float32)}
+  grads = [
+      {"w": jnp.asarray(rng.normal(size=(LAYERS, ROWS, COLS)) * layer_scales, jnp.float32)}
+      for _ in range(5)
+  ]
+  _, _, stacked_history = run_steps(osf.safefactor(**CONFIG, factor_rules=factor_rules),
+                                    stacked, grads.__getitem__, 5)
+  separate = {f"w{i}": stacked["w"][i] for i in range(LAYERS)}
+  separate_grads = [{f"w{i}": g["w"][i] for i in range(LAYERS)} for g in grads]
+  _, _, separate_history = run_steps(osf.safefactor(**CONFIG), separate,
+                                     separate_grads.__getitem__, 5)
+  as_stack = [jnp.stack([u[f"w{i}"] for i in range(LAYERS)]) for u in separate_history]
+  return [u["w"] for u in stacked_history], as_stack
+
+
+def test_batch_axis_gives_the_updates_of_separate_params():
+  stacked, separate = _stacked_vs_separate(lambda path, shape: ("batch", None, None))
+  assert_trees_close(stacked, separate, rtol=1e-6)
+
+
+def test_without_the_batch_rule_the_stack_shares_clipping_and_scale():
+  stacked, separate = _stacked_vs_separate(None)
+  assert max_relative_error(stacked[-1], separate[-1]) > 1e-2
+
+
+def test_logical_names_map_layers_to_batch():
+  rules = osf.logical_factor_rules({"w": ("layers", "embed", "mlp")})
+  stacked, separate = _stacked_vs_separate(rules)
+  assert_trees_close(stacked, separate, rtol=1e-6)
+  state = osf.safefactor(factor_rules=rules).init({"w": jnp.ones((LAYERS, ROWS, COLS))})
+  moment = state.inner_state.second_moment["w"]
+  assert moment.v_row.shape == (LAYERS, ROWS, 1) and moment.v_col.shape == (LAYERS, 1, COLS)
+
+
+def test_explicit_roles_factor_a_conv_kernel_like_the_reference(rng):
+  shape = (3, 3, 16, 32)
+  roles = ("row", "row", "row", "column")
+  params = random_tree(rng, {"k": shape})
+  tx = osf.safefactor(0.1, factor_rules=lambda path, s: roles)
+  state = tx.init(params)
+  assert state.inner_state.second_moment["k"].v_row.shape == (3, 3, 16, 1)
+  reference = ReferenceAdafactor(learning_rate=0.1)
+  reference.init("k", shape, ((0, 1, 2), (3,)))
+  update = jax.jit(tx.update)
+  for _ in range(10):
+    grads = random_tree(rng, {"k": shape})
+    updates, state = update(grads, state, params)
+    assert max_relative_error(updates["k"], reference.step(grads, params)["k"]) < 2e-5
+
+
+def test_batch_axes_on_an_unfactored_leaf(rng):
+  # Expert biases: (experts, width) with nothing to factor, still clipped per expert.
+  shape = (4, 16)
+  params = random_tree(rng, {"b": shape})
+  tx = osf.safefactor(0.1, factor_rules=lambda path, s: ("batch", None))
+  reference = ReferenceAdafactor(learning_rate=0.1)
+  reference.init("b", shape, None, batch_axes=(0,))
+  state = tx.init(params)
+  assert isinstance(state.inner_state.second_moment["b"], osf.FullMoment)
+  for _ in range(5):
+    grads = random_tree(rng, {"b": shape}, scale=10.0)
+    updates, state = tx.update(grads, state, params)
+    assert max_relative_error(updates["b"], reference.step(grads, params)["b"]) < 2e-5
+
+
+@pytest.mark.parametrize("roles,message", [
+    (("batch", None), r"params\['w'\]: factor rule gives 2 roles .* rank-3"),
+    (("batch", "rows", None), "unknown factor roles"),
+    (("batch", "row", None), "rows without columns"),
+])
+def test_bad_rules_name_the_param(roles, message):
+  tx = osf.safefactor(factor_rules=lambda path, shape: roles)
+  with pytest.raises(ValueError, match=message):
+    tx.init({"w": jnp.ones((LAYERS, ROWS, COLS))})
