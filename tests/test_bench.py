@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optax_safefactor.benchmarks import bench, common, trees
+from optax_safefactor.benchmarks import accumulate, bench, common, rounding, trees
 from optax_safefactor.benchmarks.bench import minimum_traffic_bytes
 
 # The help's small run: 7 leaves compile fast, and at this scale the layers are factored
@@ -175,3 +175,23 @@ def test_timed_calls_run_without_garbage_collection(monkeypatch):
   # Each of 3 rounds reads the clock twice per optimizer and twice for the copy, with the
   # collector off; compiling reads it with the collector on.
   assert enabled_at_each_clock_read.count(False) == 3 * 2 * (len(rows) + 1)
+
+
+@pytest.mark.parametrize("command", ["bench", "rounding", "accumulate"])
+@pytest.mark.parametrize("flags,blamed,wanted", [
+    (["--scale", "0"], "--scale", "must be in (0, 4], got 0"),
+    (["--scale", "nan"], "--scale", "must be in (0, 4], got nan"),
+    (["--scale", "5"], "--scale", "must be in (0, 4], got 5"),
+    (["--repetitions", "0"], "--repetitions", "must be at least 1, got 0"),
+    (["--repetitions", "two"], "--repetitions", "must be an integer at least 1, got two"),
+])
+def test_a_bad_flag_is_named_alone(command, flags, blamed, wanted, capsys):
+  # Each flag's own error: `--scale 0` once blamed "--scale ... and --repetitions".
+  module = {"bench": bench, "rounding": rounding, "accumulate": accumulate}[command]
+  with pytest.raises(SystemExit) as exit_info:
+    module.main(flags)
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert f"argument {blamed}: {wanted}" in error, error
+  other = {"--scale": "--repetitions", "--repetitions": "--scale"}[blamed]
+  assert other not in error

@@ -1,10 +1,13 @@
 """Bad input gets a clear error naming the parameter path or the argument."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import optax_safefactor as osf
+from tests.helpers import TRANSFORMATIONS, run_steps
 
 
 def _params():
@@ -87,6 +90,9 @@ def test_traced_min_dim_size_in_init_has_a_clear_error():
 @pytest.mark.parametrize("mistake,error,message", [
     ("optax_state", TypeError, r"optax.adafactor state: convert it with osf.migrate_from_optax"),
     ("swapped", TypeError, r"optimizer state as its first argument"),
+    # update(grads, params, state): the state argument has the params' structure.
+    ("params_as_state", TypeError, r"structure of the gradients: are the arguments swapped\? "
+                                   r"call update\(grads, opt_state, params\)"),
     ("restored_without_target", TypeError, r"restored without a target"),
 ])
 def test_wrong_state_is_named(mistake, error, message):
@@ -98,6 +104,7 @@ def test_wrong_state_is_named(mistake, error, message):
   args = {
       "optax_state": (params, optax.adafactor(0.1).init(params), params),
       "swapped": (state, params, params),
+      "params_as_state": (params, params, state),
       "restored_without_target": (params, list(state), params),
   }[mistake]
   with pytest.raises(error, match=message):
@@ -120,3 +127,78 @@ def test_migrating_a_state_restored_without_target_says_what_to_do():
   restored = [list(x) if isinstance(x, tuple) else x for x in optax.adafactor(0.1).init(params)]
   with pytest.raises(ValueError, match=r"restored without a target.*jax.eval_shape"):
     osf.migrate_from_optax(restored, osf.safefactor(0.1), params)
+
+
+def _cast(tree, dtype, floating_only=False):
+  def cast(x):
+    if floating_only and not jnp.issubdtype(x.dtype, jnp.floating):
+      return x
+    return x.astype(dtype)
+
+  return jax.tree.map(cast, tree)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_a_state_cast_whole_is_refused_naming_its_counter(name):
+  # Cast to bfloat16 with the rest of the state, a counter stops at 256: 0.2 accepted
+  # that and, after 300 updates, reported "no skipped steps in 256 steps".
+  tx = TRANSFORMATIONS[name].build()
+  params = _params()
+  with pytest.raises(TypeError, match=r"State\.\w+(\[.*\])?: a counter must stay int32, got "
+                                      r"bfloat16 \(a bfloat16 count stops at 256\); cast only "
+                                      r"the floating leaves"):
+    tx.update(params, _cast(tx.init(params), jnp.bfloat16), params)
+
+
+def test_a_state_with_only_its_floating_leaves_cast_counts_exactly():
+  # What the counter's message says to do, around an inner transformation whose state
+  # may be narrower (optax.adam casts its moments back): the counters stay exact.
+  tx = osf.skip_nonfinite(optax.adam(1e-3))
+  params = {"w": jnp.ones((4,), jnp.bfloat16)}
+  state = _cast(tx.init(params), jnp.bfloat16, floating_only=True)
+  grads = [{"w": jnp.full((4,), jnp.nan if step % 100 == 0 else 1.0, jnp.bfloat16)}
+           for step in range(300)]
+  _, state, _ = run_steps(tx, params, grads, state=state, dtype_promotion="standard")
+  assert int(state.step) == 300 and int(osf.skipped_steps(state)) == 3
+
+
+@pytest.mark.parametrize("what,setting", [("second moment", "state_dtype=None"),
+                                          ("momentum", "dtype_momentum='float32'")])
+def test_a_statistic_cast_to_another_dtype_is_refused(what, setting):
+  # A cast statistic would stay in the cast dtype, where a bfloat16 second moment cannot
+  # follow beta2 = 0.999; the message says which setting keeps a state narrow.
+  tx = osf.safefactor(0.1, momentum=0.9)
+  params = _params()
+  state = tx.init(params)
+  inner = state.inner_state
+  if what == "momentum":
+    inner = inner._replace(momentum=_cast(inner.momentum, jnp.bfloat16))
+  else:
+    inner = inner._replace(second_moment=_cast(inner.second_moment, jnp.bfloat16))
+  with pytest.raises(TypeError, match=rf"params\['dense'\]\['(bias|kernel)'\]: the {what} in "
+                                      rf"the optimizer state is bfloat16, but this optimizer "
+                                      rf"keeps it in float32 \(its {setting}\); .*"
+                                      r"state_dtype='bfloat16'"):
+    tx.update(params, state._replace(inner_state=inner), params)
+
+
+def test_a_narrow_state_asked_for_by_name_is_accepted():
+  tx = osf.safefactor(0.1, momentum=0.9, state_dtype="bfloat16", dtype_momentum="bfloat16")
+  params = _params()
+  updates, state = tx.update(params, tx.init(params), params)
+  assert {x.dtype for x in jax.tree.leaves(state.inner_state.second_moment)} == {
+      np.dtype(jnp.bfloat16)}
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("state_momentum,momentum,message", [
+    (0.9, None, r"holds a momentum \(one per param\), but this optimizer has momentum=None "
+                r"and would drop it"),
+    (None, 0.9, r"this optimizer has momentum=0.9, but the optimizer state holds none"),
+])
+def test_a_momentum_mismatch_is_refused(state_momentum, momentum, message):
+  # 0.2 dropped a momentum the optimizer did not have, silently.
+  params = _params()
+  state = osf.safefactor(0.1, momentum=state_momentum).init(params)
+  with pytest.raises(ValueError, match=message):
+    osf.safefactor(0.1, momentum=momentum).update(params, state, params)

@@ -89,7 +89,10 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
     )
   kind = type(state).__name__
   hint = ""
-  if isinstance(state, (list, dict)):
+  if _shaped_like(state, grads):
+    hint = ("; it has the structure of the gradients: are the arguments swapped? call "
+            "update(grads, opt_state, params)")
+  elif isinstance(state, (list, dict)):
     hint = ("; a checkpoint restored without a target gives plain lists and dicts: "
             "restore with the state of optimizer.init(params) (or "
             "jax.eval_shape(optimizer.init, params)) as the target")
@@ -103,6 +106,83 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
             "osf.migrate_from_optax(optax_state, optimizer, params)")
   raise TypeError(f"update expected a {expected.__name__} from this optimizer's init, "
                   f"got a {kind}{hint}")
+
+
+def _shaped_like(state: Any, grads: Any) -> bool:
+  """The state argument has the gradients' tree structure (the params passed as the state)."""
+  try:
+    return jax.tree.structure(state) == jax.tree.structure(grads) and bool(jax.tree.leaves(grads))
+  except Exception:  # a tree that jax cannot flatten is no params tree
+    return False
+
+
+# How to keep a state narrow, for the messages below: the optimizer's own dtype settings.
+_NARROW_STATE_HINT = (
+    "to keep the statistics in bfloat16, build the optimizer with state_dtype='bfloat16' "
+    "(and dtype_momentum='bfloat16' for the momentum) instead of casting its state"
+)
+
+
+def check_counters(state: Any, fields: tuple[str, ...]) -> None:
+  """The counters of a state (its ``fields``, each a scalar or a tree of scalars) must be
+  int32: ``TypeError`` naming the counter.
+
+  A counter cast to bfloat16 with the rest of a state stops at 256 (bfloat16 has 8 bits
+  of precision), and every report built on it says too little; float32 stops at 2**24.
+
+  >>> import jax.numpy as jnp
+  >>> from optax_safefactor._src.transform import AdafactorState
+  >>> state = AdafactorState(jnp.zeros([], jnp.bfloat16), {})
+  >>> check_counters(state, ("count",))
+  Traceback (most recent call last):
+  ...
+  TypeError: AdafactorState.count: a counter must stay int32, got bfloat16 (a bfloat16
+  count stops at 256); ...
+  """
+  for field in fields:
+    for path, counter in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
+      dtype = getattr(counter, "dtype", None)
+      if dtype is not None and np.dtype(dtype) != np.int32:
+        where = f"{type(state).__name__}.{field}{jax.tree_util.keystr(path)}"
+        stops = (f" (a {np.dtype(dtype).name} count stops at "
+                 f"{2 ** (jnp.finfo(dtype).nmant + 1)})" if jnp.issubdtype(dtype, jnp.floating)
+                 else "")
+        raise TypeError(f"{where}: a counter must stay int32, got {np.dtype(dtype).name}"
+                        f"{stops}; cast only the floating leaves of a state (jax.tree.map("
+                        "lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, "
+                        f"jnp.floating) else x, opt_state)), or, {_NARROW_STATE_HINT}")
+
+
+def check_state_dtype(path: KeyPath, what: str, found: Any, expected: Any, setting: str) -> None:
+  """A floating state leaf must be in the dtype this optimizer keeps it in: ``TypeError``.
+
+  A state cast to another dtype would otherwise stay there, and a bfloat16 second
+  moment cannot follow a decay rate of 0.999 (its resolution near 1 is 2**-8).
+  ``setting`` is the argument that sets the dtype (``state_dtype``, ``dtype_momentum``).
+  """
+  if np.dtype(found) != np.dtype(expected):
+    raise TypeError(
+        f"{path_name(path)}: the {what} in the optimizer state is {np.dtype(found).name}, "
+        f"but this optimizer keeps it in {np.dtype(expected).name} (its {setting}); "
+        f"{_NARROW_STATE_HINT}"
+    )
+
+
+def check_has_momentum(state_momentum: Any, momentum: Any) -> None:
+  """The state holds a momentum exactly when the optimizer has one: ``ValueError``."""
+  if (state_momentum is None) == (momentum is None):
+    return
+  if momentum is None:
+    raise ValueError(
+        "the optimizer state holds a momentum (one per param), but this optimizer has "
+        "momentum=None and would drop it: build the optimizer with the momentum the state "
+        "was made with (momentum=0.9, say), or make the state with this optimizer's init"
+    )
+  raise ValueError(
+      f"this optimizer has momentum={momentum!r}, but the optimizer state holds none "
+      "(it was made with momentum=None): make the state with this optimizer's init, or "
+      "build the optimizer with momentum=None"
+  )
 
 
 def _holds_optax_factored_state(state: Any) -> bool:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_safefactor._src import checks
 from optax_safefactor._src.placement import is_box
 from optax_safefactor._src.trees import find_all, unzip_leaf_results
 
@@ -104,6 +105,7 @@ def count_call(counters: Counters, leaf_finite: Any, call_finite: jax.Array) -> 
   ``counters`` is a :class:`SkipNonfiniteState` or a :class:`MicroBatchCounters`;
   ``leaf_finite`` has one scalar bool per param leaf. Nothing but the counters changes.
   """
+  checks.check_counters(counters, MicroBatchCounters._fields)
 
   def count_leaf(count, last, finite):
     return (

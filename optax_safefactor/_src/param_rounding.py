@@ -136,6 +136,7 @@ def with_param_rounding(
 
   def update_fn(updates, state, params=None, **extra_args):
     checks.check_state_type(state, ParamRoundingState, updates, "with_param_rounding")
+    checks.check_counters(state, ("count",))
     if write_back.rounds_onto_params(mode) and params is None:
       raise ValueError(
           f"with_param_rounding(mode={mode!r}) needs params: call update(grads, state, params)"

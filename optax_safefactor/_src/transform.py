@@ -60,6 +60,24 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
 
 
+def _check_state_dtypes(hp: Hyperparams, grads: Any, state: AdafactorState) -> None:
+  """Each statistic and momentum in the dtype this optimizer keeps it in (``TypeError``)."""
+
+  def check_leaf(path, grad, moment, momentum):
+    for stat in moment:
+      checks.check_state_dtype(path, "second moment", stat.dtype,
+                               numerics.resolve_state_dtype(hp.state_dtype, grad.dtype),
+                               f"state_dtype={hp.state_dtype!r}")
+    if momentum is not None:
+      checks.check_state_dtype(path, "momentum", momentum.dtype,
+                               momentum_dtype(hp.dtype_momentum, grad.dtype),
+                               f"dtype_momentum={hp.dtype_momentum!r}")
+
+  momentum_tree = (jax.tree.map(lambda _: None, grads) if state.momentum is None
+                   else state.momentum)
+  jax.tree_util.tree_map_with_path(check_leaf, grads, state.second_moment, momentum_tree)
+
+
 def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   """The transformation for validated ``hp``; guarded when ``hp.skip_nonfinite_steps``."""
   planner = Planner(hp.factored, hp.min_dim_size_to_factor, hp.factor_rules)
@@ -97,6 +115,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     expected = counters.SkipNonfiniteState if guarded else AdafactorState
     checks.check_state_type(state, expected, updates)
     inner = state.inner_state if guarded else state
+    checks.check_counters(inner, ("count",))
+    checks.check_has_momentum(inner.momentum, hp.momentum)
     if params is None and hp.needs_params:
       raise ValueError(
           "safefactor needs params in update(grads, state, params) when "
@@ -105,6 +125,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       )
     checks.check_update_against_state(updates, params, inner.second_moment,
                                       kernel.MOMENT_TYPES)
+    _check_state_dtypes(hp, updates, inner)
     none_tree = jax.tree.map(lambda _: None, updates)
     masks = (_decay_masks(hp.weight_decay_mask, updates) if hp.weight_decay_rate is not None
              else none_tree)

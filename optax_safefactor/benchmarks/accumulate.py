@@ -107,11 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                   "bytes and compile time, with ratios to optax.MultiSteps.")
   parser.add_argument("--tree", choices=sorted(trees.TREES), default="600-leaves",
                       help="the parameter tree, one of the benchmark's (600-leaves)")
-  parser.add_argument("--scale", type=float, default=1.0,
+  parser.add_argument("--scale", type=common.SCALE, default=1.0,
                       help="widths multiplied by this, in (0, 4] (1.0)")
-  parser.add_argument("--every-k", type=int, default=4, metavar="K",
+  parser.add_argument("--every-k", type=common.number_in(int, 2), default=4, metavar="K",
                       help="micro-batches per step, at least 2 (4)")
-  parser.add_argument("--repetitions", type=int, default=5, metavar="N",
+  parser.add_argument("--repetitions", type=common.REPETITIONS, default=5, metavar="N",
                       help="timed groups per candidate after one warm-up group (5)")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                       help="dtype of the params and gradients (float32)")
@@ -121,8 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
-  if not 0 < args.scale <= 4 or args.every_k < 2 or args.repetitions < 1:
-    parser.error("--scale must be in (0, 4], --every-k at least 2, --repetitions at least 1")
   print(common.backend_summary(), file=sys.stderr)
   rows = measure(args.tree, args.scale, args.every_k, args.repetitions, args.dtype)
   first = rows[0]

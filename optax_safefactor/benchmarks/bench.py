@@ -290,14 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
       "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
       metavar="DTYPE", help="dtypes of the params and gradients: float32, bfloat16 (both)")
   parser.add_argument(
-      "--scale", type=float, default=1.0,
+      "--scale", type=common.SCALE, default=1.0,
       help="multiply the widths and vocabularies by this, in (0, 4], for a quicker run. "
            "At 0.2 the trees have 0.4M to 8M params and their large layers are still "
            "factored; below about 0.17 no axis keeps the 128 elements factoring needs, so "
            "no leaf is factored and a different step is measured (the 600-leaf tree is "
            "factored only from 1.0) (1.0)")
   parser.add_argument(
-      "--repetitions", type=int, default=5, metavar="N",
+      "--repetitions", type=common.REPETITIONS, default=5, metavar="N",
       help="timed rounds after one untimed warm-up round; a round runs every optimizer "
            "and the scale-copy once, interleaved. Medians and the min / max spread are "
            "over these rounds; 3 or more to see the noise (5)")
@@ -311,8 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
-  if not 0 < args.scale <= 4 or args.repetitions < 1:
-    parser.error("--scale must be in (0, 4] and --repetitions at least 1")
   if args.json is not None:
     problem = common.json_problem(args.json)
     if problem is not None:

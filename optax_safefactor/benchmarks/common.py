@@ -34,6 +34,44 @@ import optax
 # Measuring ---------------------------------------------------------------------------
 
 
+def number_in(kind: type, low: float, high: float | None = None, *,
+               low_open: bool = False) -> Callable[[str], Any]:
+  """An argparse ``type``: a ``kind`` (int or float) from ``low`` (exclusive if
+  ``low_open``) to ``high``. argparse then names the flag that is wrong in its error.
+
+  >>> scale = number_in(float, 0, 4, low_open=True)
+  >>> scale("0.5")
+  0.5
+  >>> scale("0")
+  Traceback (most recent call last):
+  ...
+  argparse.ArgumentTypeError: must be in (0, 4], got 0
+  """
+  if high is not None:
+    wanted = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+  else:
+    wanted = f"above {low:g}" if low_open else f"at least {low:g}"
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"must be {'an integer' if kind is int else 'a number'} {wanted}, got {text}"
+      ) from None
+    if (value != value or (value <= low if low_open else value < low)
+        or (high is not None and value > high)):  # NaN is in no range
+      raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+    return value
+
+  parse.__name__ = kind.__name__  # argparse's "invalid float value" names the type
+  return parse
+
+
+SCALE = number_in(float, 0, 4, low_open=True)
+REPETITIONS = number_in(int, 1)
+
+
 def train_step(tx: optax.GradientTransformation) -> Callable:
   """``(params, state, grads) -> (params, state)``: ``tx.update`` and ``apply_updates``."""
 

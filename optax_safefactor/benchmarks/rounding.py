@@ -178,10 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--trees", nargs="+", choices=sorted(trees.TREES), default=list(TREES),
                       metavar="TREE", help="parameter trees, any of "
                       f"{', '.join(sorted(trees.TREES))} ({' '.join(TREES)})")
-  parser.add_argument("--scale", type=float, default=1.0,
+  parser.add_argument("--scale", type=common.SCALE, default=1.0,
                       help="multiply the trees' widths and vocabularies by this, in (0, 4]; "
                            "below about 0.17 no leaf is factored (1.0)")
-  parser.add_argument("--repetitions", type=int, default=5, metavar="N",
+  parser.add_argument("--repetitions", type=common.REPETITIONS, default=5, metavar="N",
                       help="timed rounds after one warm-up round (5)")
   parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS),
                       metavar="CONFIG", help="default: learning_rate=1e-3; momentum: also "
@@ -199,8 +199,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.small:
     for key, value in SMALL.items():
       setattr(args, key, value)
-  if not 0 < args.scale <= 4 or args.repetitions < 1:
-    parser.error("--scale must be in (0, 4] and --repetitions at least 1")
   if args.json is not None:
     problem = common.json_problem(args.json)
     if problem is not None:
