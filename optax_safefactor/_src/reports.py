@@ -171,11 +171,14 @@ def skipped_steps(opt_state: Any) -> jax.Array:
 def nonfinite_report(opt_state: Any) -> dict[str, int]:
   """What the guards saw, as a flat dict of ints ready to log.
 
-  Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), then
-  ``nonfinite_steps/<path>`` and ``last_nonfinite_step/<path>`` (-1 if never) for each
-  parameter. With several guards in one state, the keys of the second and later ones
-  are prefixed ``guard<i>/``. ``total_skipped_steps``, always there, sums every guard
-  (it equals :func:`skipped_steps`).
+  Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), always;
+  then, for each parameter that was ever non-finite and for no other,
+  ``nonfinite_steps/<path>`` (in how many steps it was) and ``last_nonfinite_step/<path>``
+  (the ``steps`` value of the last one). A healthy run's report has three keys however
+  many parameters there are, so it can be logged every step. With several guards in one
+  state, the keys of the second and later ones are prefixed ``guard<i>/``.
+  ``total_skipped_steps``, always there, sums every guard (it equals
+  :func:`skipped_steps`).
 
   Micro-batches skipped by :func:`accumulate_gradients` have keys of their own:
   ``skipped_micro_batches``, ``consecutive_skipped_micro_batches``, ``micro_batches``
@@ -212,10 +215,14 @@ def nonfinite_report(opt_state: Any) -> dict[str, int]:
     report[prefix + keys.skipped] = record.skipped
     report[prefix + keys.consecutive] = record.consecutive
     report[prefix + keys.calls] = record.calls
+    # Only the leaves that were non-finite: a key per parameter would be -1 and 0 for
+    # nearly all of them.
     for path, count in record.nonfinite.items():
-      report[f"{prefix}{keys.nonfinite}/{path}"] = count
-    for path, last in record.last_nonfinite.items():
-      report[f"{prefix}{keys.last_nonfinite}/{path}"] = last
+      if count:
+        report[f"{prefix}{keys.nonfinite}/{path}"] = count
+    for path, count in record.nonfinite.items():
+      if count:
+        report[f"{prefix}{keys.last_nonfinite}/{path}"] = record.last_nonfinite[path]
   report["total_skipped_steps"] = sum(record.skipped for record in records)
   return report
 
@@ -225,20 +232,43 @@ def _counted(count: int, words: _Wording) -> str:
   return f"{count} {words.one if count == 1 else words.many}"
 
 
-def _describe(record: GuardRecord) -> str:
+# The summary names at most this many leaves per guard, within this many characters of
+# paths (however many leaves a model has: one NaN loss makes every leaf non-finite).
+SUMMARY_LEAVES = 3
+SUMMARY_PATH_CHARACTERS = 360
+
+
+def _nonfinite_leaves(record: GuardRecord, words: _Wording, budget: int) -> str:
+  """The non-finite leaves, worst first: the most often non-finite, then the latest."""
+  bad = [(path, count, record.last_nonfinite[path])
+         for path, count in record.nonfinite.items() if count]
+  if not bad:
+    return "state only"
+  if len(bad) > 1 and len(bad) == len(record.nonfinite) and len({b[1:] for b in bad}) == 1:
+    _, count, last = bad[0]
+    return f"all {len(bad)} leaves x{count} (last at {words.one} {last})"
+  bad.sort(key=lambda b: (-b[1], -b[2]))
+  shown: list[str] = []
+  for path, count, last in bad:
+    item = f"{path} x{count} (last at {words.one} {last})"
+    if shown and (len(shown) == SUMMARY_LEAVES
+                  or sum(map(len, shown)) + len(item) > budget):
+      break
+    shown.append(item)
+  more = len(bad) - len(shown)
+  return ", ".join(shown) + (f" and {more} more {'leaf' if more == 1 else 'leaves'}"
+                             if more else "")
+
+
+def _describe(record: GuardRecord, budget: int = SUMMARY_PATH_CHARACTERS) -> str:
   words = _WORDING[record.kind]
   if record.calls == 0:
     return f"no {words.many} yet"
   if record.skipped == 0:
     return f"no skipped {words.many} in {_counted(record.calls, words)}"
-  leaves = [
-      f"{path} x{count} (last at {words.one} {record.last_nonfinite[path]})"
-      for path, count in record.nonfinite.items()
-      if count
-  ]
   return (
       f"skipped {record.skipped} of {_counted(record.calls, words)} ({record.consecutive} in a "
-      f"row); non-finite: {', '.join(leaves) or 'state only'}"
+      f"row); non-finite: {_nonfinite_leaves(record, words, budget)}"
   )
 
 
@@ -247,7 +277,11 @@ def nonfinite_summary(opt_state: Any) -> str:
 
   It formats the same records as :func:`nonfinite_report`, so the two (and
   :func:`skipped_steps`) always agree; with several guards each gets its own clause
-  (``guard<i>`` for steps, ``accumulation`` for skipped micro-batches).
+  (``guard<i>`` for steps, ``accumulation`` for skipped micro-batches). It names the
+  worst non-finite leaves (the most often non-finite first, then the latest), at most
+  three per guard, then how many more; when every leaf was non-finite in the same steps
+  (a NaN loss), it says so in one phrase. The line stays under about 600 characters
+  however many leaves the model has.
 
   Example:
     >>> import jax.numpy as jnp
@@ -275,7 +309,8 @@ def nonfinite_summary(opt_state: Any) -> str:
   if len(records) == 1:
     return _describe(records[0])
   total = sum(record.skipped for record in records)
-  clauses = "; ".join(f"{label}: {_describe(record)}" for _, label, record in
+  budget = SUMMARY_PATH_CHARACTERS // len(records)  # the whole line stays about as long
+  clauses = "; ".join(f"{label}: {_describe(record, budget)}" for _, label, record in
                       _labelled(records))
   return f"{total} skipped in total; {clauses}"
 
