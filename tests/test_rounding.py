@@ -231,6 +231,35 @@ def test_rounding_up_has_exactly_the_probability_of_the_ulp_fraction(dtype, rng)
     np.testing.assert_equal(np.mean(rounded), float(x))  # unbiased, exactly
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_float64_values_round_up_with_exactly_the_probability_of_the_ulp_fraction(dtype, rng,
+                                                                                 x64):
+  # float64 params keep float32 (or narrower) statistics and momentum by name: their
+  # rounding takes the generic path, with a uniform made of all 32 bits.
+  bits = _every_top_half()
+  for _ in range(10):
+    down = np.float64(np.asarray(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-10, 10),
+                                 dtype))
+    ulp = float(_ulp(down, dtype))
+    k = int(rng.integers(1, 2**16))
+    x = down + k * 2.0**-16 * ulp  # exact in float64: 24 + 16 bits of mantissa at most
+    rounded = _f64(jax.jit(stochastic_round, static_argnums=1)(
+        jnp.full(bits.shape, x, jnp.float64), dtype, bits))
+    assert set(np.unique(rounded)) <= {down, down + ulp}, (x, np.unique(rounded))
+    # u = j / 2**16 over every j: up exactly when u >= 1 - k / 2**16, k of the 2**16 times.
+    assert np.sum(rounded > down) == k
+
+
+def test_on_grid_rounds_inside_jit_and_leaves_a_wide_enough_dtype_alone(rng):
+  # XLA may drop a float32 -> bfloat16 -> float32 pair of conversions inside a jit: the
+  # grid must come from the bit pattern there.
+  x = jnp.asarray(rng.normal(size=4096) * 10.0 ** rng.uniform(-30, 30, 4096), jnp.float32)
+  expected = np.asarray(x).astype(jnp.bfloat16).astype(np.float32)
+  np.testing.assert_array_equal(jax.jit(rounding.on_grid, static_argnums=1)(x, jnp.bfloat16),
+                                expected)
+  np.testing.assert_array_equal(rounding.on_grid(x, jnp.float32), x)
+
+
 def test_rounding_probability_with_hashed_bits_is_statistically_exact():
   n = 1 << 20
   for fraction in (2**-16, 0.001, 0.3, 0.5, 0.97):

@@ -57,6 +57,8 @@ def saturating_cast(x: jax.Array, dtype: DTypeLike) -> jax.Array:
 
   >>> saturating_cast(jnp.array([1e6, -jnp.inf, 2.0]), jnp.float16).tolist()
   [65504.0, -inf, 2.0]
+  >>> saturating_cast(jnp.array([2.0], jnp.float16), jnp.float32).dtype  # widening: a cast
+  dtype('float32')
   """
   dtype = np.dtype(dtype)
   if x.dtype == dtype:
