@@ -75,6 +75,29 @@ def test_max_consecutive_raises_its_own_type_eagerly():
     assert "params['a']" in str(caught.value) and "params['b']" not in str(caught.value)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_run_already_past_max_consecutive_stops_at_its_next_skip(jit):
+  # The count can be past the bound without passing through it: a state resumed under a
+  # smaller max_consecutive than it ran with. The next skipped step must stop the run.
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  grads = _nan_at({0, 1, 2, 3, 4})
+  _, state, _ = run_steps(osf.safefactor(0.1), params, grads, 4)  # no bound: 4 in a row
+  assert int(state.consecutive_skips) == 4
+  tx = osf.safefactor(0.1, max_consecutive_skips=2)
+  update = jax.jit(tx.update) if jit else tx.update
+  error = jax.errors.JaxRuntimeError if jit else osf.NonFiniteStepsError
+  with pytest.raises(error, match=r"5 consecutive optimizer steps"):
+    jax.block_until_ready(update(grads(4), state, params))
+
+
+def test_a_guard_over_an_empty_tree_with_a_bound_steps():
+  # A masked-out subset can leave a guard no leaves at all.
+  for tx in (osf.safefactor(0.1, max_consecutive_skips=2),
+             osf.skip_nonfinite(optax.sgd(0.1), max_consecutive=2)):
+    _, state, history = run_steps(tx, {}, [{}, {}], jit=False)
+    assert int(osf.skipped_steps(state)) == 0 and history == [{}, {}]
+
+
 def test_host_side_check_raises_its_own_type_between_jitted_steps():
   params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
   tx = osf.safefactor(0.1)

@@ -157,3 +157,15 @@ def test_with_param_rounding_checks_its_seed_as_safefactor_does(seed, error):
     osf.with_param_rounding(optax.sgd(1e-3), seed=seed)
   with pytest.raises(error, match=r"^rounding_seed must (be an int|fit in 64 bits)"):
     osf.safefactor(1e-3, param_rounding="stochastic", rounding_seed=seed)
+
+
+def test_skip_nonfinite_leaves_dtypes_to_the_inner_transformation():
+  # An integer leaf (a step counter kept with the params, say) is the inner
+  # transformation's business: optax.set_to_zero takes it, so the guard must too.
+  params = {"w": jnp.ones((3,)), "step": jnp.zeros((), jnp.int32)}
+  tx = osf.skip_nonfinite(optax.set_to_zero())
+  state = tx.init(params)
+  grads = {"w": jnp.full((3,), jnp.nan), "step": jnp.zeros((), jnp.int32)}
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  assert int(osf.skipped_steps(state)) == 0
+  assert updates["step"].dtype == jnp.int32
