@@ -289,14 +289,17 @@ def test_bfloat16_bit_trick_equals_the_generic_method(rng):
 @pytest.mark.parametrize("dtype", NARROW)
 def test_stochastic_round_saturates_and_passes_non_finite(dtype):
   largest = float(jnp.finfo(dtype).max)
-  x = jnp.array([largest, -largest, 3.4e38, -3.4e38, largest * 1.001, jnp.inf, -jnp.inf,
-                 jnp.nan, 0.0, -0.0], jnp.float32)
+  # The float32 just above the largest value: with every bit set, a carry would make it Inf.
+  just_above = float(np.nextafter(np.float32(largest), np.float32(np.inf)))
+  x = jnp.array([largest, -largest, 3.4e38, -3.4e38, largest * 1.001, just_above, jnp.inf,
+                 -jnp.inf, jnp.nan, 0.0, -0.0], jnp.float32)
   for bits in (jnp.zeros(x.shape, jnp.uint32), jnp.full(x.shape, 2**32 - 1, jnp.uint32)):
     got = _f64(jax.jit(stochastic_round, static_argnums=1)(x, dtype, bits))
-    np.testing.assert_array_equal(got[:5], [largest, -largest, largest, -largest, largest])
-    np.testing.assert_array_equal(got[5:7], [np.inf, -np.inf])
-    assert np.isnan(got[7])
-    np.testing.assert_array_equal(np.signbit(got[8:]), [False, True])
+    np.testing.assert_array_equal(got[:6], [largest, -largest, largest, -largest, largest,
+                                            largest])
+    np.testing.assert_array_equal(got[6:8], [np.inf, -np.inf])
+    assert np.isnan(got[8])
+    np.testing.assert_array_equal(np.signbit(got[9:]), [False, True])
   # A NaN whose payload lies only in the dropped bits stays NaN.
   nan = jax.lax.bitcast_convert_type(jnp.array([0x7F800001, 0xFF80FFFF], jnp.uint32), jnp.float32)
   assert np.all(np.isnan(_f64(stochastic_round(nan, dtype, jnp.full((2,), 2**32 - 1,

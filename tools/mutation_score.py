@@ -244,6 +244,21 @@ def commit() -> str:
   return head + (" plus uncommitted changes" if dirty else "")
 
 
+def survivor_verdicts(module: str, s: dict, verdicts: dict) -> dict[str, int]:
+  """How many of a module's survivors are equivalent, killed later, or still open."""
+  kinds = {"equivalent": 0, "killed-later": 0, "open": 0}
+  for _, result in s["by"].get("survived", []):
+    verdict = verdicts.get((module, *changed_lines(result["diff"])))
+    kinds[verdict["verdict"] if verdict else "open"] += 1
+  return kinds
+
+
+def verdict_score(s: dict, kinds: dict[str, int]) -> float:
+  """(killed + killed later) / (killed + survived - equivalent): the non-equivalent killed."""
+  counted = s["killed"] + s["survived"] - kinds["equivalent"]
+  return (s["killed"] + kinds["killed-later"]) / counted if counted else math.nan
+
+
 def markdown(results: list[tuple[dict, dict]], verdicts: dict) -> str:
   """The results section of docs/mutation-testing.md."""
   metas = [meta for meta, _ in results]
@@ -265,15 +280,22 @@ def markdown(results: list[tuple[dict, dict]], verdicts: dict) -> str:
          f"{per_mutant:.1f} s per mutant.", "",
          "| module | mutants (in annotations) | run | killed | survived | of the killed, timeouts "
          "| incompetent "
-         "| score | baseline | exec | s per mutant |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| score | survivors: equivalent, killed later, open | score with the verdicts "
+         "| baseline | exec | s per mutant |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for meta, s in results:
     count = s["killed"] + s["survived"] + len(s["by"].get("incompetent", []))
+    kinds = survivor_verdicts(meta["module"], s, verdicts)
     out.append(
         f"| {meta['module']} | {meta['generated']} ({meta['annotations']}) | {count} | "
         f"{s['killed']} | {s['survived']} | {len(s['by'].get('timeout', []))} | "
-        f"{len(s['by'].get('incompetent', []))} | {s['score']:.0%} | {meta['baseline_s']:.0f} s "
+        f"{len(s['by'].get('incompetent', []))} | {s['score']:.0%} | "
+        f"{kinds['equivalent']}, {kinds['killed-later']}, {kinds['open']} | "
+        f"{verdict_score(s, kinds):.0%} | {meta['baseline_s']:.0f} s "
         f"| {meta['exec_s']:.0f} s | {meta['exec_s'] / count if count else math.nan:.1f} |")
+  out += ["", "The score with the verdicts leaves the equivalent mutants out and counts those a "
+          "test added since kills as killed: (killed + killed later) / (killed + survived - "
+          "equivalent)."]
   out += ["", "Tests per module: " + "; ".join(
       f"{m['module']}: {' '.join(t.removeprefix('tests/') for t in m['tests'])}"
       for m in metas) + ".", ""]
