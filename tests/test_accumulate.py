@@ -318,6 +318,40 @@ def test_every_k_schedule_of_the_applied_step():
   assert multi_steps == [value for _, value in steps]
 
 
+def test_an_injected_every_k_groups_as_the_int_does_and_changes_without_recompiling():
+  # optax.inject_hyperparams hands every_k over as an int32 array, a tracer under jit:
+  # 0.2 refused it ("every_k must be a positive int or a schedule").
+  params = _params()
+  grads = [_grads(i) for i in range(12)]
+  injected = optax.inject_hyperparams(osf.accumulate_gradients)(_inner(), every_k=2)
+  traces = []
+
+  def update(grads, state, params):
+    traces.append(1)
+    return injected.update(grads, state, params)
+
+  update = jax.jit(update)
+  state = injected.init(params)
+  with_two = []
+  for g in grads[:6]:
+    updates, state = update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    with_two.append(updates)
+  plain_params, _, plain_history = run_steps(osf.accumulate_gradients(_inner(), 2), _params(),
+                                             grads[:6])
+  assert_trees_equal(with_two, plain_history)
+  assert_trees_equal(params, plain_params)
+  state.hyperparams["every_k"] = jnp.full_like(state.hyperparams["every_k"], 3)
+  applied = []
+  for g in grads[6:]:
+    updates, state = update(g, state, params)
+    applied.append(bool(jnp.any(updates["w"] != 0)))
+  assert applied == [False, False, True, False, False, True]  # groups of three now
+  assert len(traces) == 1
+  with pytest.raises(ValueError, match="every_k must be a positive int"):
+    optax.inject_hyperparams(osf.accumulate_gradients)(_inner(), every_k=0).init(params)
+
+
 def test_every_k_must_be_a_positive_int_or_a_schedule():
   for every_k in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="every_k"):

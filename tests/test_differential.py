@@ -172,7 +172,7 @@ SAFEFACTOR = dict(
     momentum=st.sampled_from([None, 0.0, 0.5, 0.9]),
     # bfloat16: the stored moment is rounded (not the step's update); None: the
     # param's dtype, complex for complex params.
-    dtype_momentum=st.sampled_from(["float32", "bfloat16", None]),
+    dtype_momentum=st.sampled_from(["float32", "bfloat16", "complex64", None]),
     weight_decay_rate=st.none() | scalar_or_schedule(1e-3, 0.2),
     # On finite steps the guard must change nothing.
     skip_nonfinite_steps=st.booleans(),
@@ -272,10 +272,13 @@ class Problem:
 
 def stored_momentum_dtype(dtype_momentum, param_dtype) -> np.dtype:
   """The dtype the first moment is kept in: the named one, or the param's for ``None``;
-  a complex param keeps a complex moment whose parts are at least that wide."""
+  a complex param keeps a complex moment whose parts are at least that wide, and a
+  complex name means its parts' precision (complex64: float32 for a real param)."""
   if dtype_momentum is None:
     return np.dtype(param_dtype)
   dtype = np.dtype(jnp.dtype(dtype_momentum))
+  if np.issubdtype(dtype, np.complexfloating):
+    dtype = np.dtype(np.float32 if dtype.itemsize == 8 else np.float64)
   if np.issubdtype(param_dtype, np.complexfloating):
     return np.dtype(np.complex128 if dtype.itemsize >= 8 else np.complex64)
   return dtype

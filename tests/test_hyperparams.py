@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -91,3 +92,23 @@ def test_inject_hyperparams_still_passes_dtypes_and_seeds_as_arrays():
   updates, state = jax.jit(tx.update)(params, state, params)
   assert updates["w"].dtype == jnp.bfloat16
   assert state.inner_state.inner_state.momentum["w"].dtype == jnp.bfloat16
+
+
+def test_a_complex_momentum_dtype_names_a_precision():
+  # optax accepts a complex mu_dtype, and a complex param's momentum is complex: 0.2
+  # refused "complex64". It gives complex64 momentum to complex64 params and float32
+  # momentum to real ones, the same run as "float32".
+  params = {"z": jnp.full((3, 2), 1.0 + 2.0j, jnp.complex64), "w": jnp.ones((4,))}
+  grads = {"z": jnp.full((3, 2), 0.5 - 1.0j, jnp.complex64), "w": jnp.full((4,), 0.3)}
+  runs = {}
+  for name in ("complex64", "float32"):
+    tx = osf.safefactor(0.1, momentum=0.9, dtype_momentum=name)
+    state = tx.init(params)
+    momentum = state.inner_state.momentum
+    assert (momentum["z"].dtype, momentum["w"].dtype) == (jnp.complex64, jnp.float32)
+    runs[name] = tx.update(grads, state, params)
+  for a, b in zip(jax.tree.leaves(runs["complex64"]), jax.tree.leaves(runs["float32"]),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(TypeError, match=r"state_dtype must be a floating dtype"):
+    osf.safefactor(0.1, state_dtype="complex64")

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optax_safefactor._src import checks, counters, numerics, placement, xla_hints
@@ -120,9 +119,11 @@ def accumulate_gradients(
 
   Args:
     inner: any optax transformation; it sees the mean of each group.
-    every_k: the number of finite micro-batches per step: a positive int, or a
-      schedule of the number of steps applied so far (as ``every_k_schedule`` in
-      ``optax.MultiSteps``), whose value is floored at 1.
+    every_k: the number of finite micro-batches per step: a positive int (or an
+      integer scalar array, as ``optax.inject_hyperparams`` passes it, so that it can
+      change between steps without a recompile), or a schedule of the number of steps
+      applied so far (as ``every_k_schedule`` in ``optax.MultiSteps``), whose value is
+      floored at 1.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -137,10 +138,10 @@ def accumulate_gradients(
       ``update``, when a grad's shape or the grads' structure differs from the params'.
   """
   checks.check_transformation(inner, "accumulate_gradients")
-  positive_int = (isinstance(every_k, (int, np.integer)) and not isinstance(every_k, bool)
-                  and every_k >= 1)
-  if not (callable(every_k) or positive_int):
-    raise ValueError(f"every_k must be a positive int or a schedule, got {every_k!r}")
+  if not callable(every_k):
+    # An int, or an integer scalar array: optax.inject_hyperparams hands every_k over as
+    # one (a tracer inside a jitted update, which cannot be judged and is taken as it is).
+    checks.check_positive_int(every_k, "every_k", meaning=" (or a schedule)")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

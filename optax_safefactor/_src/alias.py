@@ -83,7 +83,9 @@ def safefactor(
     clipping_threshold: clip each leaf's update to this RMS; ``None`` for no clipping.
     momentum: decay of an (undebiased) first moment; ``None`` for no momentum.
     dtype_momentum: dtype name of the first moment; ``None`` for the params' dtype
-      (as in optax).
+      (as in optax). A complex param's momentum is complex of that precision:
+      ``"float32"`` and ``"complex64"`` both give complex64 there and float32 for a
+      real param.
     weight_decay_rate: decoupled weight decay (a scalar or a schedule), or ``None``.
     eps: added to squared gradients; also the floor under every rsqrt.
     factored: whether to factor second moments at all.

@@ -114,8 +114,9 @@ def _as_number(name: str, value: Any, convert: str = "float") -> float | None:
     raise TypeError(f"{name} must be a number, an array or a schedule, got {value!r}") from None
 
 
-def _check_float_dtype(name: str, value: Any) -> None:
-  """``value`` names a real floating dtype (or is ``None``), else a TypeError naming ``name``."""
+def _check_float_dtype(name: str, value: Any, *, complex_ok: bool = False) -> None:
+  """``value`` names a real floating dtype (or, if ``complex_ok``, a complex one), or is
+  ``None``; else a TypeError naming ``name``."""
   if value is None:
     return
   if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
@@ -126,9 +127,11 @@ def _check_float_dtype(name: str, value: Any) -> None:
       dtype = jnp.dtype(value)
     except TypeError:
       dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+  kind = jnp.inexact if complex_ok else jnp.floating
+  if dtype is None or not jnp.issubdtype(dtype, kind):
+    also = ", 'complex64'" if complex_ok else ""
     raise TypeError(
-        f"{name} must be a floating dtype such as 'float32', 'bfloat16' or jnp.float16 "
+        f"{name} must be a floating dtype such as 'float32', 'bfloat16'{also} or jnp.float16 "
         f"(or None), got {value!r}"
     )
 
@@ -165,7 +168,7 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
       raise ValueError(f"{name} must be {requirement}, got {value!r}")
   for name in ("factor_rules", "decay_rate_fn"):
     _check_callable(name, getattr(hyperparams, name))
-  _check_float_dtype("dtype_momentum", hyperparams.dtype_momentum)
+  _check_float_dtype("dtype_momentum", hyperparams.dtype_momentum, complex_ok=True)
   _check_float_dtype("state_dtype", hyperparams.state_dtype)
   check_seed("rounding_seed", hyperparams.rounding_seed)
   write_back.check_rounding_mode(hyperparams.param_rounding)
@@ -184,8 +187,14 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
 def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
   """The first moment's dtype: ``dtype_momentum`` by name, or the param's for ``None``.
 
+  A name gives a precision, real or complex as the param is (a complex param's
+  momentum is complex): ``"float32"`` and ``"complex64"`` both mean complex64 for a
+  complex param and float32 for a real one.
+
   >>> momentum_dtype(None, jnp.bfloat16), momentum_dtype("float32", jnp.bfloat16)
   (dtype(bfloat16), dtype('float32'))
+  >>> momentum_dtype("complex64", jnp.complex64), momentum_dtype("complex64", jnp.float32)
+  (dtype('complex64'), dtype('float32'))
   """
   if dtype_momentum is None:
     return np.dtype(param_dtype)
@@ -194,6 +203,8 @@ def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
     # class such as jnp.bfloat16 is callable: it arrives as a scalar of that dtype.
     dtype_momentum = dtype_momentum.dtype
   dtype = np.dtype(jnp.dtype(dtype_momentum))
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    dtype = np.dtype(jnp.finfo(dtype).dtype)  # the precision: float32 for complex64
   if jnp.issubdtype(param_dtype, jnp.complexfloating):
     return np.dtype(jnp.complex128) if dtype.itemsize >= 8 else np.dtype(jnp.complex64)
   return dtype
