@@ -544,6 +544,9 @@ def test_nnx_optimizer_over_partitioned_params():
     inputs, targets = _batches()
     losses = [float(train_step(model, optimizer, inputs, targets, i == 3)) for i in range(9)]
   assert int(osf.skipped_steps(optimizer.opt_state)) == 1
+  # nnx.Optimizer counts update calls, which are micro-batches here (as the README says):
+  # the applied steps are the state's.
+  assert int(optimizer.step[...]) == 9
   assert int(optimizer.opt_state.applied_steps[...]) == 4
   assert losses[-1] < losses[0]
 

@@ -172,6 +172,29 @@ def test_write_back_panel_follows_the_dtype_panels():
     plt.close(figure)
 
 
+def test_coinciding_curves_all_show():
+  # The default run's write-back panel drew bfloat16 round-to-nearest exactly under
+  # optax's dashed line, and stochastic under Kahan: two of five curves hidden.
+  import matplotlib.pyplot as plt
+
+  same = dict(learning_rate=1e-3, comparison="rounding")
+  results = [_result("safefactor", dtype, 40, rounding=rounding, **same)
+             for dtype, rounding in [("float32", "nearest"), ("bfloat16", "nearest"),
+                                     ("bfloat16", "stochastic"), ("bfloat16", "kahan")]]
+  results.append(_result("optax.adafactor", "bfloat16", 40, rounding="nearest", **same))
+  figure = demo.loss_figure(results)
+  try:
+    lines = figure.axes[0].get_lines()
+    assert len(lines) == 5
+    # Every curve is wider than each drawn after it (so it shows around them all), and no
+    # two share a marker.
+    widths = [line.get_linewidth() for line in lines]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) == 5
+    assert len({line.get_marker() for line in lines}) == 5
+  finally:
+    plt.close(figure)
+
+
 def _visible(line) -> bool:
   """Whether a plotted curve shows: a marker on a finite point, or two finite points in a row."""
   finite = np.isfinite(np.asarray(line.get_ydata(), float))

@@ -222,6 +222,10 @@ def _panels(results: Sequence[RunResult]):
   return panels
 
 
+# One marker shape per curve of a panel, in drawing order.
+CURVE_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
 def loss_figure(results: Sequence[RunResult]):
   """One panel per dtype, left to right in the order of the table's rows, then write-back."""
   import matplotlib
@@ -233,7 +237,7 @@ def loss_figure(results: Sequence[RunResult]):
   panels = _panels(results)
   figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
   for axis, (title, runs, window) in zip(axes[0], panels, strict=True):
-    for r in runs:
+    for index, r in enumerate(runs):
       losses = np.asarray(r.losses)
       style = "-" if r.optimizer == "safefactor" else "--"
       label = r.optimizer
@@ -248,9 +252,14 @@ def loss_figure(results: Sequence[RunResult]):
       # A finite point between non-finite ones draws no line (optax's float16 run that
       # turns NaN after its first step), and a short run has few points: mark them.
       alone = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
-      marker = "o" if alone.any() or len(losses) <= TAIL else None
-      axis.plot(offset + np.arange(len(losses)), losses, style, marker=marker, markersize=3,
-                label=label)
+      # Curves can coincide (bfloat16 round-to-nearest under optax's, stochastic under
+      # Kahan): each one drawn later is narrower, with a marker of its own, so that every
+      # curve shows around the ones on top of it.
+      width = 1.2 + 1.4 * (len(runs) - 1 - index)
+      marker = CURVE_MARKERS[index % len(CURVE_MARKERS)]
+      every = 1 if alone.any() or len(losses) <= TAIL else max(1, len(losses) // 8)
+      axis.plot(offset + np.arange(len(losses)), losses, style, linewidth=width, marker=marker,
+                markersize=3 + width, markevery=every, markerfacecolor="none", label=label)
       bad = np.flatnonzero(~np.isfinite(r.losses))
       if bad.size:
         axis.axvline(bad[0], color="red", alpha=0.4)
