@@ -162,3 +162,35 @@ def test_partition_specs_for_abstract_params_and_wrappers():
   specs = osf.state_partition_specs(osf.safefactor(0.1), params, SPECS)
   assert specs.inner_state.second_moment["w"] == EXPECTED_STAT_SPECS["w"]
   assert specs.inner_state.count == P() and specs.skipped_steps == P()
+
+
+def test_an_auto_mode_step_with_pinned_out_shardings_compiles_once_and_keeps_them():
+  # Under jit in Auto mode XLA picks the outputs' shardings; the README's set-up pins
+  # them with out_shardings from state_partition_specs, and the step then compiles once
+  # and hands every state leaf back where it was.
+  mesh = _mesh(AxisType.Auto)
+  tx = osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-3)
+  traces = []
+
+  def loss(params):
+    return sum(jnp.sum(jnp.tanh(p) ** 2) for p in jax.tree.leaves(params))
+
+  def train_step(params, state):
+    traces.append(1)
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh):
+    params = _params(mesh)
+    param_shardings = jax.tree.map(lambda p: p.sharding, params)
+    state_shardings = osf.state_partition_specs(tx, params, mesh=mesh)
+    state = jax.jit(tx.init, out_shardings=state_shardings)(params)
+    step = jax.jit(train_step, out_shardings=(param_shardings, state_shardings))
+    for _ in range(4):
+      params, state = step(params, state)
+  assert len(traces) == 1
+  for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings),
+                            strict=True):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+  for name, spec in SPECS.items():
+    assert params[name].sharding.is_equivalent_to(NamedSharding(mesh, spec), params[name].ndim)

@@ -49,6 +49,7 @@ def test_section_runs_as_written(title):
       "Quickstart": "0",
       "Sharded training, several hosts, scanned layers": "('data', None)\n(4, 128, 1)",
       "Checkpoints": "SkipNonfiniteState",
+      "A Flax NNX model on an Explicit mesh": "True 0\n(None, None) (None, 'model')",
       "Migrating a running `optax.adafactor` job": "(1, 128)",
   }
   if title in expected:
