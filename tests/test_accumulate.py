@@ -352,6 +352,56 @@ def test_an_injected_every_k_groups_as_the_int_does_and_changes_without_recompil
     optax.inject_hyperparams(osf.accumulate_gradients)(_inner(), every_k=0).init(params)
 
 
+def test_a_group_size_injected_below_the_count_emits_at_once():
+  # The count of a group can pass a smaller every_k injected mid-group: the next finite
+  # micro-batch completes it (a test for `count == every_k` would wait for ever).
+  params = _params()
+  tx = optax.inject_hyperparams(osf.accumulate_gradients)(optax.sgd(1.0), every_k=4)
+  state = tx.init(params)
+  applied = []
+  for i in range(7):
+    if i == 3:
+      state.hyperparams["every_k"] = jnp.full_like(state.hyperparams["every_k"], 2)
+    updates, state = tx.update(_grads(i), state, params)
+    applied.append(bool(jnp.any(updates["w"] != 0)))
+  assert applied == [False, False, False, True, False, True, False]
+  # The first group is the mean of the four micro-batches it holds.
+  assert int(state.inner_state.applied_steps) == 2
+
+
+@pytest.mark.parametrize("every_k", [1, lambda applied_steps: 0], ids=["one", "schedule_at_0"])
+def test_a_group_of_one_steps_on_every_micro_batch(every_k):
+  # every_k=1, and a schedule's 0 floored at 1: each call is the inner step itself.
+  grads = [_grads(i) for i in range(5)]
+  alone = run_steps(_inner(), _params(), grads)
+  accumulated = run_steps(osf.accumulate_gradients(_inner(), every_k), _params(), grads)
+  # Equal up to the fusion of a step compiled inside lax.cond (an ulp).
+  assert_trees_close(accumulated[2], alone[2], rtol=1e-6)
+  assert int(accumulated[1].applied_steps) == 5
+
+
+def test_bfloat16_grads_of_float32_params_are_averaged_in_float32():
+  # Mixed precision: float32 master params, bfloat16 gradients. The inner transformation
+  # decides about dtypes (optax.sgd takes them): the mean is cast to the grads' dtype.
+  params = _params()
+  grads = [_grads(i, jnp.bfloat16) for i in range(2)]
+  _, state, history = run_steps(osf.accumulate_gradients(optax.sgd(1.0), 2), params, grads,
+                                dtype_promotion="standard")  # float32 params + bfloat16
+  mean = jax.tree.map(lambda a, b: ((a.astype(jnp.float32) + b.astype(jnp.float32)) / 2)
+                      .astype(jnp.bfloat16), *grads)
+  assert_trees_equal(history[1], jax.tree.map(lambda m: -m, mean))
+  assert int(state.applied_steps) == 1
+
+
+def test_params_that_do_not_match_the_grads_are_named_whatever_the_inner():
+  # optax.sgd never reads the params: accumulate_gradients checks them itself.
+  tx = osf.accumulate_gradients(optax.sgd(0.1), 2)
+  params = _params()
+  with pytest.raises(ValueError, match=r"grads do not match params: missing from grads: "
+                                       r"params\['extra'\]"):
+    tx.update(_grads(0), tx.init(params), {**params, "extra": jnp.ones(3)})
+
+
 def test_every_k_must_be_a_positive_int_or_a_schedule():
   for every_k in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="every_k"):
