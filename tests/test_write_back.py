@@ -55,3 +55,17 @@ def test_a_skipped_step_changes_nothing(write_back, mode):
   assert int(with_skip[1].inner_state.count) == len(good)
   if mode == "kahan":  # the buffer is in use, so keeping it is not trivially true
     assert any(np.any(np.asarray(c)) for c in jax.tree.leaves(clean[1].inner_state.compensation))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
+def test_a_mode_read_from_a_config_is_the_mode(mode):
+  # A mode built at run time (read from a config file, say) is equal to the literal but
+  # not the same object: the write-back must compare values, not identities.
+  built = "".join(list(mode))
+  assert built == mode and built is not mode
+  params = _tree(0)
+  grads = [_tree(s, scale=0.1) for s in (1, 2)]
+  for make in (lambda m: osf.safefactor(0.05, momentum=0.9, param_rounding=m),
+               lambda m: osf.with_param_rounding(optax.sgd(1e-2), m)):
+    assert_trees_bitwise_equal(run_steps(make(built), params, grads)[:2],
+                               run_steps(make(mode), params, grads)[:2])
