@@ -351,3 +351,25 @@ def test_narrow_state_rounds_independently_of_the_params_and_of_each_other():
     a, b = decisions[name_a], decisions[name_b]
     n = min(a.size, b.size)
     _assert_independent_decisions(a[:n], b[:n], f"{name_a} vs {name_b}")
+
+
+def test_absorbing_a_value_keeps_distinct_keys_distinct():
+  # Each absorb multiplies the key by an odd constant, a bijection on uint32: keys that
+  # differ in any bit (the top one included) must stay distinct, or two streams whose
+  # keys differ there would draw the same bits from then on.
+  keys = jnp.asarray(np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint64)
+                     .astype(np.uint32))
+  value = jnp.uint32(12345)
+  for flip in (1, 2**16, 2**31):
+    absorbed = np.asarray(bit_streams._absorb(keys, value))
+    flipped = np.asarray(bit_streams._absorb(keys ^ np.uint32(flip), value))
+    assert not np.any(absorbed == flipped), flip
+
+
+def test_a_seed_takes_any_64_bit_word_signed_or_not():
+  for seed in (-(2**63), -1, 0, 2**63, 2**64 - 1):
+    bit_streams.check_seed("rounding_seed", seed)
+    osf.safefactor(1e-3, param_rounding="stochastic", rounding_seed=seed)
+  for seed in (-(2**63) - 1, 2**64):
+    with pytest.raises(ValueError, match="rounding_seed must fit in 64 bits"):
+      osf.safefactor(1e-3, param_rounding="stochastic", rounding_seed=seed)
