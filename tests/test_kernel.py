@@ -157,3 +157,21 @@ def test_float64_beta2_is_computed_in_float64(x64, rng):
     updates, state = update(grads, state, params)
     expected = reference.step(grads, params)["w"]
     assert max_relative_error(updates["w"], -expected) < 1e-12, step
+
+
+@pytest.mark.parametrize("config", [
+    dict(momentum=0.9, weight_decay_rate=1e-3),
+    # A narrow momentum is checked element by element; without parameter scale, so are
+    # the params that weight decay reads.
+    dict(momentum=0.9, dtype_momentum="bfloat16", weight_decay_rate=1e-3,
+         multiply_by_parameter_scale=False),
+], ids=["default", "narrow_momentum_no_parameter_scale"])
+def test_an_empty_leaf_is_no_reason_to_skip(config):
+  # A zero-size param (an empty embedding table, say) has nothing to be non-finite: the
+  # other leaves must still step.
+  params = {"w": jnp.ones((3, 4)), "empty": jnp.ones((0, 5))}
+  tx = osf.safefactor(0.1, **config)
+  _, state, history = run_steps(tx, params, lambda _: jax.tree.map(jnp.ones_like, params), 3)
+  assert int(osf.skipped_steps(state)) == 0
+  assert all(bool(jnp.any(u["w"] != 0)) for u in history)
+  assert history[0]["empty"].shape == (0, 5)

@@ -37,6 +37,14 @@ def fitted_axis_names(
   ('data', None)
   >>> fitted_axis_names(("data", "model"), (256, 512), (1, 512))
   (None, 'model')
+
+  A size-1 axis keeps no name (nothing splits it), and a state of another rank none:
+
+  >>> fitted_axis_names(("data", "model"), (1, 512), (1, 1))
+  (None, None)
+  >>> fitted_axis_names(("data", "model"), (256, 512), (4,)), fitted_axis_names(
+  ...     ("data",), (256,), (2, 256))
+  ((None,), (None, None))
   """
   if len(state_shape) != len(param_shape):
     return (None,) * len(state_shape)
