@@ -112,3 +112,33 @@ def test_a_complex_momentum_dtype_names_a_precision():
     np.testing.assert_array_equal(a, b)
   with pytest.raises(TypeError, match=r"state_dtype must be a floating dtype"):
     osf.safefactor(0.1, state_dtype="complex64")
+
+
+@pytest.mark.parametrize("name,accepted,refused", [
+    ("momentum", [0.0, 0.5, 0.999], [1.0, 1.5, -0.1]),
+    ("min_dim_size_to_factor", [1, 128], [0, -1]),
+    ("max_parameter_scale", [0.5, 1e-3, 10.0], [0.0, -1.0]),
+])
+def test_each_range_is_checked_at_both_ends(name, accepted, refused):
+  # Each bound, from inside and outside: a range checked one-sided passes half its errors.
+  for value in accepted:
+    osf.safefactor(0.1, **{name: value})
+  for value in refused:
+    with pytest.raises(ValueError, match=name):
+      osf.safefactor(0.1, **{name: value})
+
+
+def test_the_settings_defaults_are_the_factories_defaults():
+  # Hyperparams(...) built directly (its doctests, a tool) must mean what the factories
+  # mean; only the guard's default differs, on purpose, between the two factories.
+  import inspect
+
+  from optax_safefactor._src.hyperparams import Hyperparams
+
+  differ = set()
+  for factory in (osf.safefactor, osf.scale_by_safe_factored_rms):
+    parameters = inspect.signature(factory).parameters
+    for name, default in Hyperparams._field_defaults.items():
+      if name in parameters and parameters[name].default != default:
+        differ.add((factory.__name__, name))
+  assert differ == {("safefactor", "skip_nonfinite_steps")}
