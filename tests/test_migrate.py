@@ -101,3 +101,32 @@ def test_params_not_matching_the_optax_momentum_are_named():
   with pytest.raises(ValueError, match=r"^params do not match optax_state's momentum: in params "
                                        r"but not in optax_state's momentum: params\['b'\]"):
     osf.migrate_from_optax(optax_state, osf.safefactor(1e-3, momentum=0.9), params)
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (200, 300)])
+def test_factor_rules_that_swap_optaxs_axes_are_refused(shape):
+  # optax factors a matrix one way; factor rules can make safefactor factor it the other
+  # way, and then optax's row statistic is not safefactor's: refused, never reshaped.
+  params = {"w": jnp.ones(shape)}
+  optax_state = optax.adafactor(0.1).init(params)
+  outcomes = {}
+  for roles in [("row", "column"), ("column", "row")]:
+    tx = osf.safefactor(0.1, factor_rules=lambda path, s, r=roles: r)
+    try:
+      osf.migrate_from_optax(optax_state, tx, params)
+      outcomes[roles] = "migrated"
+    except ValueError as error:
+      assert "params['w']: optax and safefactor factor this param differently" in str(error)
+      outcomes[roles] = "refused"
+  assert sorted(outcomes.values()) == ["migrated", "refused"]
+
+
+@pytest.mark.parametrize("shape", [(1, 300), (300, 1)])
+def test_a_factored_axis_of_size_one_is_refused_by_name(shape):
+  # Both factor a (1, 300) param at min_dim_size_to_factor=1, but a size-1 axis carries
+  # no role in safefactor's state: the migration is refused with the param's path (not
+  # an IndexError from deep inside).
+  params = {"w": jnp.ones(shape)}
+  optax_state = optax.adafactor(0.1, min_dim_size_to_factor=1).init(params)
+  with pytest.raises(ValueError, match=r"params\['w'\]: optax and safefactor factor"):
+    osf.migrate_from_optax(optax_state, osf.safefactor(0.1, min_dim_size_to_factor=1), params)
