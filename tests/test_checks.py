@@ -202,3 +202,11 @@ def test_a_momentum_mismatch_is_refused(state_momentum, momentum, message):
   state = osf.safefactor(0.1, momentum=state_momentum).init(params)
   with pytest.raises(ValueError, match=message):
     osf.safefactor(0.1, momentum=momentum).update(params, state, params)
+
+
+def test_a_weight_decay_mask_that_does_not_fit_fails_at_init():
+  # At init, not at the first step inside a jitted training loop.
+  params = _params()
+  tx = osf.safefactor(0.1, weight_decay_rate=1e-3, weight_decay_mask={"other": True})
+  with pytest.raises(ValueError, match="weight_decay_mask"):
+    tx.init(params)
