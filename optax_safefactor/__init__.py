@@ -4,6 +4,9 @@ from optax_safefactor._src.accumulate import AccumulationState as AccumulationSt
 from optax_safefactor._src.accumulate import accumulate_gradients as accumulate_gradients
 from optax_safefactor._src.alias import safefactor as safefactor
 from optax_safefactor._src.alias import scale_by_safe_factored_rms as scale_by_safe_factored_rms
+from optax_safefactor._src.checked_mode import (
+    CheckedWithoutCheckifyError as CheckedWithoutCheckifyError,
+)
 from optax_safefactor._src.counters import SkipNonfiniteState as SkipNonfiniteState
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
 from optax_safefactor._src.kernel import FactoredMoment as FactoredMoment
@@ -26,6 +29,7 @@ __all__ = (
     "DEFAULT_LOGICAL_RULES",
     "AccumulationState",
     "AdafactorState",
+    "CheckedWithoutCheckifyError",
     "FactoredMoment",
     "FullMoment",
     "NonFiniteStepsError",

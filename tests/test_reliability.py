@@ -196,6 +196,35 @@ def test_checked_mode_with_checkify_names_path_and_step():
   assert int(osf.skipped_steps(new_state)) == 1 and is_all_zero(updates["dense"]["kernel"])
 
 
+@pytest.mark.parametrize("build", ["safefactor", "skip_nonfinite"])
+def test_checked_mode_compiled_without_checkify_names_the_setting(build):
+  if build == "safefactor":
+    tx = osf.safefactor(0.1, checked=True)
+  else:
+    tx = osf.skip_nonfinite(optax.sgd(0.1), checked=True)
+  params = {"dense": {"kernel": jnp.ones((4, 3))}}
+  state = tx.init(params)
+
+  def step(state, grads):
+    return tx.update(grads, state, params)
+
+  with pytest.raises(osf.CheckedWithoutCheckifyError,
+                     match=r"checked=True .* checkify\.checkify\(step\)"):
+    jax.jit(step)(state, params)
+  # Nothing is compiled by eval_shape, and under checkify the marker is an identity.
+  assert jax.eval_shape(step, state, params)[1].step.shape == ()
+  error, (_, new_state) = jax.jit(checkify.checkify(step))(state, params)
+  error.throw()
+  assert int(new_state.step) == 1
+  # JAX's own runtime-error mode compiles the checks: the marker compiles to nothing.
+  jax.config.update("jax_experimental_unsafe_xla_runtime_errors", True)
+  try:
+    _, new_state = jax.jit(step)(state, params)
+  finally:
+    jax.config.update("jax_experimental_unsafe_xla_runtime_errors", False)
+  assert int(new_state.step) == 1
+
+
 _CHEXIFY_RUN = """
 import chex, jax, jax.numpy as jnp
 from jax.experimental import checkify

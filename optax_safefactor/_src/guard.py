@@ -37,6 +37,7 @@ import optax
 from jax.experimental import checkify
 
 from optax_safefactor._src import checks, numerics, reports, xla_hints
+from optax_safefactor._src.checked_mode import needs_checkify
 from optax_safefactor._src.counters import SkipNonfiniteState, count_call, init_guarded
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
 
@@ -87,7 +88,8 @@ def record_step(
   if checked:
     for path, finite in jax.tree_util.tree_flatten_with_path(leaf_finite)[0]:
       checkify.check(
-          finite, f"{checks.path_name(path)}: non-finite gradient, update or optimizer "
+          needs_checkify(finite),
+          f"{checks.path_name(path)}: non-finite gradient, update or optimizer "
           "state at step {step}; the step was skipped", step=state.step,
       )
   if max_consecutive is not None:
@@ -166,8 +168,9 @@ def skip_nonfinite(
     checked: also raise, through ``jax.experimental.checkify``, on the first step in
       which any leaf is non-finite, naming the parameter path and the step. The step
       is still skipped. Run the training step under ``checkify.checkify`` or
-      ``chex.chexify`` (without either, tracing the step fails with checkify's own
-      error); meant for debugging, since checking synchronises with the host.
+      ``chex.chexify``; compiled without either, the step raises
+      :class:`CheckedWithoutCheckifyError`, which says so. Meant for debugging, since
+      checking synchronises with the host.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is a
