@@ -20,7 +20,9 @@ from optax_safefactor._src.reports import NonFiniteStepsError as NonFiniteStepsE
 from optax_safefactor._src.reports import check_nonfinite_steps as check_nonfinite_steps
 from optax_safefactor._src.reports import nonfinite_report as nonfinite_report
 from optax_safefactor._src.reports import nonfinite_summary as nonfinite_summary
+from optax_safefactor._src.reports import skipped_spikes as skipped_spikes
 from optax_safefactor._src.reports import skipped_steps as skipped_steps
+from optax_safefactor._src.spikes import SpikeHistory as SpikeHistory
 from optax_safefactor._src.transform import AdafactorState as AdafactorState
 
 __version__ = "0.2.0"
@@ -34,6 +36,7 @@ __all__ = (
     "FullMoment",
     "NonFiniteStepsError",
     "SkipNonfiniteState",
+    "SpikeHistory",
     "accumulate_gradients",
     "check_nonfinite_steps",
     "logical_factor_rules",
@@ -43,6 +46,7 @@ __all__ = (
     "safefactor",
     "scale_by_safe_factored_rms",
     "skip_nonfinite",
+    "skipped_spikes",
     "skipped_steps",
     "state_partition_specs",
     "with_param_rounding",

@@ -40,8 +40,10 @@ def safefactor(
     checked: bool = False,
     param_rounding: str = "nearest",
     rounding_seed: int = 0,
+    skip_spikes: float | None = None,
+    spike_window: int = 128,
 ) -> optax.GradientTransformationExtraArgs:
-  """Adafactor that is safe in float16, bfloat16 and float32: a drop-in for ``optax.adafactor``.
+  r"""Adafactor that is safe in float16, bfloat16 and float32: a drop-in for ``optax.adafactor``.
 
   Same positional arguments, defaults and (on healthy float32 inputs) results as
   :func:`optax.adafactor`, with these differences:
@@ -120,6 +122,22 @@ def safefactor(
     rounding_seed: an int keying ``"stochastic"``'s random bits, together with the
       step, the param's path and each element's index (so the bits are the same on
       any sharding or number of hosts).
+    skip_spikes: also skip, and count, finite spikes: a step whose global gradient norm
+      (or loss, when ``update`` is given ``value=loss``) is above :math:`\bar x +
+      k \max(s, 0.02 |\bar x|)`, with :math:`k` = ``skip_spikes`` (6.0 is the usual
+      choice) and :math:`\bar x`, :math:`s` the mean and sample standard deviation of
+      that statistic over the last ``spike_window`` applied steps, once at least
+      ``spike_window // 2`` of them are there. ``None`` (the default) skips no spike. A
+      spike is skipped as a non-finite step is (zero updates, state untouched) and stays
+      out of the history; after ``spike_window // 2`` spike skips in a row the next spike
+      is taken and the history restarts from it, so a lasting change of scale costs at
+      most that many skipped steps. The gradient norm is read off the second-moment
+      statistics the step computes anyway. Spikes count in :func:`skipped_steps` and
+      :func:`skipped_spikes`, not toward ``max_consecutive_skips``; needs
+      ``skip_nonfinite_steps``. Injectable with ``optax.inject_hyperparams``.
+    spike_window: the steps of history the spike rule keeps (an int of at least 2). It
+      sets the state's shape: under ``optax.inject_hyperparams`` pass it in
+      ``static_args``.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.

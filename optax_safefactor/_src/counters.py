@@ -16,6 +16,7 @@ import optax
 
 from optax_safefactor._src import checks
 from optax_safefactor._src.placement import is_box
+from optax_safefactor._src.spikes import init_history
 from optax_safefactor._src.trees import find_all, unzip_leaf_results
 
 
@@ -31,6 +32,9 @@ class SkipNonfiniteState(NamedTuple):
       was non-finite (int32 scalars, shaped like the params).
     last_nonfinite_step: per leaf, the value of ``step`` the last time that leaf
       was non-finite, or -1 (int32 scalars, shaped like the params).
+    spikes: with ``skip_spikes``, the spike rule's :class:`SpikeHistory` (its skipped
+      spikes are counted in ``skipped_steps`` too, never in ``consecutive_skips``);
+      ``None`` without.
   """
 
   inner_state: Any
@@ -39,6 +43,7 @@ class SkipNonfiniteState(NamedTuple):
   step: jax.Array
   nonfinite_steps: Any
   last_nonfinite_step: Any
+  spikes: Any = None
 
 
 class MicroBatchCounters(NamedTuple):
@@ -86,9 +91,12 @@ def _zero_counts(params: Any) -> dict[str, Any]:
   )
 
 
-def init_guarded(inner_state: Any, params: Any) -> SkipNonfiniteState:
-  """A guard's state around ``inner_state``, with every counter at zero."""
-  return SkipNonfiniteState(inner_state=inner_state, **_zero_counts(params))
+def init_guarded(inner_state: Any, params: Any,
+                 spike_window: int | None = None) -> SkipNonfiniteState:
+  """A guard's state around ``inner_state``, with every counter at zero, and an empty
+  spike history of ``spike_window`` steps unless that is ``None``."""
+  spikes = None if spike_window is None else init_history(spike_window)
+  return SkipNonfiniteState(inner_state=inner_state, **_zero_counts(params), spikes=spikes)
 
 
 def init_micro_batch_counters(params: Any) -> MicroBatchCounters:
@@ -99,11 +107,15 @@ def init_micro_batch_counters(params: Any) -> MicroBatchCounters:
 Counters = TypeVar("Counters", SkipNonfiniteState, MicroBatchCounters)
 
 
-def count_call(counters: Counters, leaf_finite: Any, call_finite: jax.Array) -> Counters:
+def count_call(counters: Counters, leaf_finite: Any, call_finite: jax.Array,
+               spike_skipped: jax.Array | None = None) -> Counters:
   """``counters`` after one more ``update`` call whose verdict is ``call_finite``.
 
   ``counters`` is a :class:`SkipNonfiniteState` or a :class:`MicroBatchCounters`;
-  ``leaf_finite`` has one scalar bool per param leaf. Nothing but the counters changes.
+  ``leaf_finite`` has one scalar bool per param leaf. ``call_finite`` is False for any
+  skipped call; ``spike_skipped`` (when given) is True where the call was skipped as a
+  spike, which counts in ``skipped_steps`` but leaves ``consecutive_skips``, the run of
+  non-finite skips, as it was. Nothing but the counters changes.
   """
   checks.check_counters(counters, MicroBatchCounters._fields)
 
@@ -121,7 +133,10 @@ def count_call(counters: Counters, leaf_finite: Any, call_finite: jax.Array) -> 
           call_finite, counters.skipped_steps, optax.safe_increment(counters.skipped_steps)
       ),
       consecutive_skips=jnp.where(
-          call_finite, 0, optax.safe_increment(counters.consecutive_skips)
+          call_finite, 0,
+          optax.safe_increment(counters.consecutive_skips) if spike_skipped is None
+          else jnp.where(spike_skipped, counters.consecutive_skips,
+                         optax.safe_increment(counters.consecutive_skips)),
       ),
       step=optax.safe_increment(counters.step),
       nonfinite_steps=nonfinite_steps,

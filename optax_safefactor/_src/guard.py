@@ -36,8 +36,9 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from optax_safefactor._src import checks, numerics, reports, xla_hints
+from optax_safefactor._src import checks, numerics, reports, spikes, xla_hints
 from optax_safefactor._src.checked_mode import needs_checkify
+from optax_safefactor._src.kernel import abs_sq
 from optax_safefactor._src.counters import SkipNonfiniteState, count_call, init_guarded
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
 
@@ -78,13 +79,20 @@ def record_step(
     *,
     max_consecutive: int | None,
     checked: bool,
+    spike: spikes.SpikeVerdict | None = None,
 ) -> SkipNonfiniteState:
-  """The guard's new state after a step whose verdict is ``step_finite``.
+  """The guard's new state after a step whose non-finite verdict is ``step_finite``.
 
-  ``new_inner_state`` must already be the old inner state where the step is skipped;
-  ``leaf_finite`` has one scalar bool per param leaf.
+  ``new_inner_state`` must already be the old inner state where the step is skipped
+  (non-finite, or a spike by ``spike``, the verdict of :func:`spikes.judge` when spike
+  skipping is on); ``leaf_finite`` has one scalar bool per param leaf.
   """
-  counted = count_call(state, leaf_finite, step_finite)
+  if spike is None:
+    counted = count_call(state, leaf_finite, step_finite)
+  else:
+    counted = count_call(state, leaf_finite, step_finite & ~spike.skip, spike.skip)
+    counted = counted._replace(spikes=spikes.record(state.spikes, spike, step_finite,
+                                                    state.step))
   if checked:
     for path, finite in jax.tree_util.tree_flatten_with_path(leaf_finite)[0]:
       checkify.check(
@@ -96,6 +104,25 @@ def record_step(
     _stop_after_max_consecutive(counted.consecutive_skips, state.step, leaf_finite,
                                 max_consecutive)
   return counted._replace(inner_state=new_inner_state)
+
+
+def check_spike_state(state: SkipNonfiniteState, skip_spikes: Any,
+                      spike_window: Any) -> None:
+  """The state has a spike history exactly when spike skipping is on, of its window."""
+  if (state.spikes is None) != (skip_spikes is None):
+    has = "has no" if state.spikes is None else "has a"
+    raise ValueError(
+        f"the optimizer state {has} spike history, but the optimizer was built with "
+        f"skip_spikes={skip_spikes!r}; make the state with this optimizer's init (a state "
+        "from a run without spike skipping can be extended with the spikes field of a new "
+        "init's state)")
+  if state.spikes is None:
+    return
+  spikes.check_history(state.spikes)
+  window = spikes.window_of(state.spikes)
+  if not isinstance(spike_window, jax.core.Tracer) and int(spike_window) != window:
+    raise ValueError(f"the state's spike history holds {window} steps, but the optimizer "
+                     f"was built with spike_window={int(spike_window)}")
 
 
 def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> Any:
@@ -124,11 +151,25 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> Any:
   return jax.tree.map(leaf_finite, new_updates, *shaped)
 
 
+def _square_sums(grads: Any) -> list[jax.Array]:
+  """Per leaf, the sum of ``|g|**2`` in float32 (0 for a leaf that is not floating)."""
+
+  def square_sum(grad):
+    grad = jnp.asarray(grad)
+    if not jnp.issubdtype(grad.dtype, jnp.inexact):
+      return jnp.zeros([], jnp.float32)
+    return jnp.sum(abs_sq(grad.astype(numerics.compute_dtype(grad.dtype))))
+
+  return [square_sum(grad) for grad in jax.tree.leaves(grads)]
+
+
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     max_consecutive: int | None = None,
     *,
     checked: bool = False,
+    skip_spikes: float | None = None,
+    spike_window: int = 128,
 ) -> optax.GradientTransformationExtraArgs:
   """Skip, and count, every step whose updates or new state would be non-finite.
 
@@ -171,6 +212,16 @@ def skip_nonfinite(
       ``chex.chexify``; compiled without either, the step raises
       :class:`CheckedWithoutCheckifyError`, which says so. Meant for debugging, since
       checking synchronises with the host.
+    skip_spikes: also skip, and count, a finite step whose global gradient norm (or
+      loss, when ``update`` is given ``value=loss``) is more than this many standard
+      deviations above the mean of the last ``spike_window`` applied steps (6.0 is the
+      usual choice; ``None``, the default, skips no spike). The rule, its floor on the
+      standard deviation and its bound on spike skips in a row are in
+      :func:`safefactor`'s docstring. The gradient norm is one reduction over the
+      incoming gradients; :func:`skipped_spikes` counts the spikes.
+    spike_window: the steps of history the spike rule keeps (an int of at least 2);
+      it decides once half of them are there. It sets the state's shape: under
+      ``optax.inject_hyperparams``, pass it in ``static_args``.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -185,6 +236,7 @@ def skip_nonfinite(
       ``update``, when grads and params differ in structure or in a leaf's shape.
   """
   checks.check_transformation(inner, "skip_nonfinite")
+  spikes.check_settings(skip_spikes, spike_window)
   checks.check_positive_int(
       max_consecutive, "max_consecutive", none_ok=True,
       meaning=" (the number of consecutive skipped steps that raises NonFiniteStepsError; "
@@ -194,19 +246,27 @@ def skip_nonfinite(
   def init_fn(params):
     # Any dtype: skip_nonfinite wraps any transformation, which decides about integer leaves.
     checks.check_init_params(params, any_dtype=True)
-    return init_guarded(inner.init(params), params)
+    return init_guarded(inner.init(params), params,
+                        None if skip_spikes is None else int(spike_window))
 
   def update_fn(updates, state, params=None, **extra_args):
     checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
     checks.check_update_inputs(updates, params, any_dtype=True)
+    check_spike_state(state, skip_spikes, spike_window)
+    loss = spikes.check_value(extra_args.get("value")) if skip_spikes is not None else None
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     leaf_finite = _leaf_finite_from_outputs(new_updates, new_inner)
     step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite))
-    new_updates = jax.tree.map(partial(zero_if_skipped, step_finite), new_updates)
-    new_inner = jax.tree.map(partial(keep_unless_skipped, step_finite), new_inner,
+    spike, applied = None, step_finite
+    if skip_spikes is not None:
+      spike = spikes.judge(state.spikes, _square_sums(updates), loss, skip_spikes, step_finite)
+      applied = xla_hints.computed_once([step_finite, ~spike.skip])
+    new_updates = jax.tree.map(partial(zero_if_skipped, applied), new_updates)
+    new_inner = jax.tree.map(partial(keep_unless_skipped, applied), new_inner,
                              state.inner_state)
     return new_updates, record_step(state, new_inner, leaf_finite, step_finite,
-                                    max_consecutive=max_consecutive, checked=checked)
+                                    max_consecutive=max_consecutive, checked=checked,
+                                    spike=spike)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, write_back
+from optax_safefactor._src import checks, spikes, write_back
 from optax_safefactor._src.bit_streams import check_seed
 from optax_safefactor._src.plan import FactorRulesFn
 
@@ -53,6 +53,8 @@ class Hyperparams(NamedTuple):
   skip_nonfinite_steps: bool = False
   max_consecutive_skips: int | None = None
   checked: bool = False
+  skip_spikes: jax.typing.ArrayLike | None = None
+  spike_window: int = 128
 
   @property
   def needs_params(self) -> bool:
@@ -181,6 +183,11 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
     )
   checks.check_positive_int(hyperparams.max_consecutive_skips, "max_consecutive_skips",
                             none_ok=True)
+  spikes.check_settings(hyperparams.skip_spikes, hyperparams.spike_window)
+  if hyperparams.skip_spikes is not None and not hyperparams.skip_nonfinite_steps:
+    raise ValueError(
+        "skip_spikes skips steps as the non-finite guard does and counts them in its state, "
+        "so it needs skip_nonfinite_steps=True")
   return hyperparams
 
 

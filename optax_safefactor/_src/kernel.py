@@ -165,25 +165,38 @@ def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
 
 def update_second_moment(
     grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any,
-    compute_dtype: Any, how: Rounding | None = None,
-) -> Moment:
+    compute_dtype: Any, how: Rounding | None = None, *, with_square_sum: bool = False,
+) -> tuple[Moment, jax.Array | None]:
   r"""The new statistics: :math:`r_t = \beta r + (1-\beta)\,\mathrm{mean}_C(|g|^2+\epsilon)`,
   :math:`c_t = \beta c + (1-\beta)\,\mathrm{mean}_R(|g|^2+\epsilon)` (keepdims), or
   :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf; ``beta2`` is in
-  the real compute dtype."""
+  the real compute dtype.
+
+  With ``with_square_sum``, also :math:`\sum |g|^2` (for the spike rule's gradient norm):
+  for a factored leaf read off the row means, :math:`(\mathrm{mean}(\mathrm{mean}_C(|g|^2)
+  + \epsilon) - \epsilon) \cdot \mathrm{size}`, so no pass over the gradient is added;
+  else ``None``.
+  """
   ct = compute_dtype
   eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):
-    blended = _blend(moment.v, abs_sq(grad.astype(ct)) + eps, beta2)
+    squares = abs_sq(grad.astype(ct))
+    blended = _blend(moment.v, squares + eps, beta2)
+    square_sum = jnp.sum(squares) if with_square_sum else None
     return FullMoment(*store((blended,), moment.v.dtype, how,
-                             (bit_streams.STREAM_STATISTICS,)))
+                             (bit_streams.STREAM_STATISTICS,))), square_sum
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
   row_mean = jnp.mean(abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
   col_mean = jnp.mean(abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
   blended = (_blend(moment.v_row, row_mean, beta2), _blend(moment.v_col, col_mean, beta2))
+  square_sum = None
+  if with_square_sum:
+    # An empty leaf (a batch axis of size 0) has no rows to average: its sum is 0.
+    square_sum = (jnp.maximum(jnp.mean(row_mean) - eps, 0) * grad.size if grad.size
+                  else jnp.zeros((), row_mean.dtype))
   return FactoredMoment(*store(
       blended, moment.v_row.dtype, how,
-      (bit_streams.STREAM_STATISTICS, bit_streams.STREAM_COLUMN_STATISTICS)))
+      (bit_streams.STREAM_STATISTICS, bit_streams.STREAM_COLUMN_STATISTICS))), square_sum
 
 
 class ScaleFactors(NamedTuple):
@@ -368,10 +381,17 @@ class Leaf(NamedTuple):
 
 
 class LeafScaling(NamedTuple):
-  """What the first half hands the second: small arrays only."""
+  r"""What the first half hands the second (and the spike rule): small arrays only.
+
+  Attributes:
+    factors: the factors of :math:`1/\sqrt{\hat v}`.
+    multiplier: clipping, learning rate and parameter scale, multiplied (or ``None``).
+    square_sum: :math:`\sum |g|^2`, with spike skipping on; else ``None``.
+  """
 
   factors: ScaleFactors
   multiplier: jax.Array | None
+  square_sum: jax.Array | None = None
 
 
 def leaf_scaling(
@@ -394,8 +414,9 @@ def leaf_scaling(
   decays = leaf.decays
   # A rounding write-back lands the update on a narrow param: it reads the param.
   reads_param_on_write_back = leaf.rounding is not None and is_narrow(param.dtype)
-  new_moment = update_second_moment(grad, moment, plan, step.beta2[real_ct], hp.eps, ct,
-                                    leaf.rounding)
+  new_moment, square_sum = update_second_moment(
+      grad, moment, plan, step.beta2[real_ct], hp.eps, ct, leaf.rounding,
+      with_square_sum=hp.skip_spikes is not None)
   # With clipping, the statistics' finiteness rides on the clipping reduction.
   factors, finite = scale_factors(new_moment, plan, leaf.floor, leaf.cap, poison=clipping)
   multiplier = None
@@ -435,7 +456,7 @@ def leaf_scaling(
                  else numerics.all_finite(state))
   if checked:
     finite &= numerics.all_finite(*checked)
-  return new_moment, LeafScaling(factors, multiplier), finite
+  return new_moment, LeafScaling(factors, multiplier, square_sum), finite
 
 
 def _gated(step_finite: jax.Array | None, scale: ScaleFactors) -> ScaleFactors:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_safefactor._src import checks, counters
+from optax_safefactor._src import checks, counters, spikes
 from optax_safefactor._src.placement import is_box, unbox
 
 
@@ -38,6 +38,25 @@ class GuardRecord(NamedTuple):
   nonfinite: dict[str, int]
   last_nonfinite: dict[str, int]
   kind: str = "steps"
+  spikes: SpikeRecord | None = None
+
+
+class SpikeRecord(NamedTuple):
+  """What one guard's spike rule saw, as host numbers (a part of :class:`GuardRecord`).
+
+  ``last_*`` describe the last skipped spike: its step, the statistic (``"gradient
+  norm"`` or ``"loss"``), its value and the limit it was above, and the parameter whose
+  gradient norm was largest then, with that norm; they are ``None`` before any.
+  """
+
+  skipped: int
+  consecutive: int
+  last_step: int | None
+  last_statistic: str | None
+  last_value: float | None
+  last_limit: float | None
+  last_leaf: str | None
+  last_leaf_norm: float | None
 
 
 class _Wording(NamedTuple):
@@ -100,6 +119,24 @@ def _per_leaf_ints(tree: Any) -> dict[str, int]:
   return {checks.path_name(path): int(unbox(value)) for path, value in flat}
 
 
+def _spike_record(history: Any, leaf_names: list[str]) -> SpikeRecord | None:
+  if history is None:
+    return None
+  skipped = int(history.skipped_spikes)
+  leaf = int(history.last_spike_leaf)
+  seen = skipped > 0
+  return SpikeRecord(
+      skipped=skipped,
+      consecutive=int(history.consecutive_spikes),
+      last_step=int(history.last_spike_step) if seen else None,
+      last_statistic=spikes.STATISTIC_NAMES[int(history.last_spike_statistic)] if seen else None,
+      last_value=float(history.last_spike_value) if seen else None,
+      last_limit=float(history.last_spike_limit) if seen else None,
+      last_leaf=leaf_names[leaf] if seen and 0 <= leaf < len(leaf_names) else None,
+      last_leaf_norm=float(history.last_spike_leaf_norm) if seen else None,
+  )
+
+
 def guard_records(opt_state: Any) -> list[GuardRecord]:
   """One :class:`GuardRecord` per guard found anywhere in ``opt_state``, guards inside
   another guard included, in the state's tree order (a guard before those inside it).
@@ -107,17 +144,19 @@ def guard_records(opt_state: Any) -> list[GuardRecord]:
   The micro-batch counters of :func:`accumulate_gradients` are records too, of kind
   ``"micro_batches"``.
   """
-  return [
-      GuardRecord(
-          skipped=int(unbox(guard.skipped_steps)),
-          consecutive=int(unbox(guard.consecutive_skips)),
-          calls=int(unbox(guard.step)),
-          nonfinite=_per_leaf_ints(guard.nonfinite_steps),
-          last_nonfinite=_per_leaf_ints(guard.last_nonfinite_step),
-          kind=_kind(guard),
-      )
-      for guard in counters.find_counters(opt_state)
-  ]
+  records = []
+  for guard in counters.find_counters(opt_state):
+    nonfinite = _per_leaf_ints(guard.nonfinite_steps)
+    records.append(GuardRecord(
+        skipped=int(unbox(guard.skipped_steps)),
+        consecutive=int(unbox(guard.consecutive_skips)),
+        calls=int(unbox(guard.step)),
+        nonfinite=nonfinite,
+        last_nonfinite=_per_leaf_ints(guard.last_nonfinite_step),
+        kind=_kind(guard),
+        spikes=_spike_record(getattr(guard, "spikes", None), list(nonfinite)),
+    ))
+  return records
 
 
 def _labelled(records: list[GuardRecord]) -> list[tuple[int, str, GuardRecord]]:
@@ -168,7 +207,42 @@ def skipped_steps(opt_state: Any) -> jax.Array:
   return sum(counts[1:], counts[0])
 
 
-def nonfinite_report(opt_state: Any) -> dict[str, int]:
+def skipped_spikes(opt_state: Any) -> jax.Array:
+  """Steps skipped as spikes by every guard found anywhere in a state (int32 array).
+
+  Counts the steps that ``skip_spikes`` skipped (:func:`safefactor`'s or
+  :func:`skip_nonfinite`'s); :func:`skipped_steps` counts them too, with the non-finite
+  ones. A guard without spike skipping adds 0. Works through any nesting and under
+  ``jax.jit``, as :func:`skipped_steps` does.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(0.1, skip_spikes=6.0, spike_window=4)
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> for scale in (1.0, 1.1, 0.9, 50.0):  # the fourth gradient is 50 times the others
+    ...   _, state = tx.update({"w": jnp.full((2, 3), scale)}, state, params)
+    >>> osf.skipped_spikes(state), osf.skipped_steps(state)
+    (Array(1, dtype=int32), Array(1, dtype=int32))
+
+  Args:
+    opt_state: an optimizer state holding at least one guard (as for
+      :func:`skipped_steps`).
+
+  Returns:
+    A scalar int32 array: the spike skips of every guard, summed.
+
+  Raises:
+    ValueError: when the state holds no guard.
+  """
+  counts = [jnp.asarray(unbox(guard.spikes.skipped_spikes), jnp.int32)
+            if getattr(guard, "spikes", None) is not None else jnp.zeros([], jnp.int32)
+            for guard in counters.find_counters(opt_state)]
+  return sum(counts[1:], counts[0])
+
+
+def nonfinite_report(opt_state: Any) -> dict[str, int | float]:
   """What the guards saw, as a flat dict of ints ready to log.
 
   Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), always;
@@ -185,6 +259,13 @@ def nonfinite_report(opt_state: Any) -> dict[str, int]:
   (micro-batches seen), ``nonfinite_micro_batches/<path>`` and
   ``last_nonfinite_micro_batch/<path>`` (prefixed ``accumulation<i>/`` from the second
   accumulation on); ``total_skipped_steps`` includes them.
+
+  A guard with spike skipping on adds ``skipped_spikes`` and ``consecutive_spikes``
+  (its ``skipped_steps`` includes the spikes; its ``consecutive_skips`` counts non-finite
+  steps only) and, once a spike was skipped, ``last_spike_step``, the statistic's value as
+  ``last_spike_gradient_norm`` or ``last_spike_loss`` (floats), ``last_spike_limit``, and
+  ``last_spike_largest_gradient/<path>``: the gradient norm of the parameter whose norm
+  was largest at that step.
 
   Example:
     >>> import jax.numpy as jnp
@@ -208,7 +289,7 @@ def nonfinite_report(opt_state: Any) -> dict[str, int]:
     ValueError: when the state holds no guard.
   """
   records = guard_records(opt_state)
-  report: dict[str, int] = {}
+  report: dict[str, int | float] = {}
   for index, label, record in _labelled(records):
     keys = _WORDING[record.kind]
     prefix = f"{label}/" if index else ""
@@ -223,8 +304,34 @@ def nonfinite_report(opt_state: Any) -> dict[str, int]:
     for path, count in record.nonfinite.items():
       if count:
         report[f"{prefix}{keys.last_nonfinite}/{path}"] = record.last_nonfinite[path]
+    report.update({prefix + key: value for key, value in _spike_keys(record.spikes).items()})
   report["total_skipped_steps"] = sum(record.skipped for record in records)
   return report
+
+
+def _spike_keys(spike: SpikeRecord | None) -> dict[str, int | float]:
+  """The report's keys for one guard's spike rule (none when it is off)."""
+  if spike is None:
+    return {}
+  keys: dict[str, int | float] = {"skipped_spikes": spike.skipped,
+                                  "consecutive_spikes": spike.consecutive}
+  if spike.last_step is not None:
+    keys["last_spike_step"] = spike.last_step
+    keys[f"last_spike_{spike.last_statistic.replace(' ', '_')}"] = spike.last_value
+    keys["last_spike_limit"] = spike.last_limit
+    if spike.last_leaf is not None:
+      keys[f"last_spike_largest_gradient/{spike.last_leaf}"] = spike.last_leaf_norm
+  return keys
+
+
+def _describe_spikes(spike: SpikeRecord) -> str:
+  """``2 spikes (last at step 250: gradient norm 51.5 > limit 6.21, largest in params['w'])``."""
+  count = f"{spike.skipped} spike{'' if spike.skipped == 1 else 's'}"
+  if spike.last_step is None:
+    return count
+  largest = f", largest in {spike.last_leaf}" if spike.last_leaf is not None else ""
+  return (f"{count} (last at step {spike.last_step}: {spike.last_statistic} "
+          f"{spike.last_value:.4g} > limit {spike.last_limit:.4g}{largest})")
 
 
 def _counted(count: int, words: _Wording) -> str:
@@ -266,10 +373,18 @@ def _describe(record: GuardRecord, budget: int = SUMMARY_PATH_CHARACTERS) -> str
     return f"no {words.many} yet"
   if record.skipped == 0:
     return f"no skipped {words.many} in {_counted(record.calls, words)}"
-  return (
-      f"skipped {record.skipped} of {_counted(record.calls, words)} ({record.consecutive} in a "
-      f"row); non-finite: {_nonfinite_leaves(record, words, budget)}"
-  )
+  spike = record.spikes
+  if spike is None or spike.skipped == 0:
+    return (
+        f"skipped {record.skipped} of {_counted(record.calls, words)} ({record.consecutive} in "
+        f"a row); non-finite: {_nonfinite_leaves(record, words, budget)}"
+    )
+  nonfinite = record.skipped - spike.skipped
+  clauses = [_describe_spikes(spike)]
+  if nonfinite:
+    clauses.insert(0, f"{nonfinite} non-finite ({record.consecutive} in a row): "
+                      f"{_nonfinite_leaves(record, words, budget)}")
+  return f"skipped {record.skipped} of {_counted(record.calls, words)}; " + "; ".join(clauses)
 
 
 def nonfinite_summary(opt_state: Any) -> str:

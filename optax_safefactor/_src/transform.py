@@ -21,6 +21,7 @@ from optax_safefactor._src import (
     counters,
     guard,
     kernel,
+    spikes,
     numerics,
     placement,
     trees,
@@ -78,6 +79,11 @@ def _check_state_dtypes(hp: Hyperparams, grads: Any, state: AdafactorState) -> N
   jax.tree_util.tree_map_with_path(check_leaf, grads, state.second_moment, momentum_tree)
 
 
+def treedef_leaves(reference: Any, tree: Any) -> list[Any]:
+  """The per-leaf values of ``tree`` (shaped like ``reference``), in its leaf order."""
+  return jax.tree.structure(reference).flatten_up_to(tree)
+
+
 def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   """The transformation for validated ``hp``; guarded when ``hp.skip_nonfinite_steps``."""
   planner = Planner(hp.factored, hp.min_dim_size_to_factor, hp.factor_rules)
@@ -108,13 +114,17 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     state = AdafactorState(jnp.zeros([], jnp.int32), second_moment,
                            momentum if hp.momentum is not None else None,
                            compensation if keeps_compensation else None)
-    return counters.init_guarded(state, values) if guarded else state
+    if not guarded:
+      return state
+    spike_window = None if hp.skip_spikes is None else int(hp.spike_window)
+    return counters.init_guarded(state, values, spike_window)
 
   def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
     expected = counters.SkipNonfiniteState if guarded else AdafactorState
     checks.check_state_type(state, expected, updates)
     inner = state.inner_state if guarded else state
+    if guarded:
+      guard.check_spike_state(state, hp.skip_spikes, hp.spike_window)
     checks.check_counters(inner, ("count",))
     checks.check_has_momentum(inner.momentum, hp.momentum)
     if params is None and hp.needs_params:
@@ -165,15 +175,22 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                               compensation_tree)
     new_second, scalings, leaf_finite = unzip_leaf_results(updates, first_half, 3)
     step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite)) if guarded else None
+    spike, applied = None, step_finite
+    if guarded and hp.skip_spikes is not None:
+      square_sums = [scaling.square_sum for scaling in treedef_leaves(updates, scalings)]
+      spike = spikes.judge(state.spikes, square_sums,
+                           spikes.check_value(extra_args.get("value")), hp.skip_spikes,
+                           step_finite)
+      applied = xla_hints.computed_once([step_finite, ~spike.skip])
 
     second_half = jax.tree.map(
-        partial(kernel.leaf_update, hp, step, step_finite), updates, leaves, scalings,
+        partial(kernel.leaf_update, hp, step, applied), updates, leaves, scalings,
         momentum_tree, params_tree, compensation_tree,
     )
     new_updates, new_first, new_compensation = unzip_leaf_results(updates, second_half, 3)
     new_inner = AdafactorState(
-        keep_unless_skipped(step_finite, optax.safe_increment(inner.count), inner.count),
-        jax.tree.map(partial(keep_unless_skipped, step_finite), new_second, inner.second_moment),
+        keep_unless_skipped(applied, optax.safe_increment(inner.count), inner.count),
+        jax.tree.map(partial(keep_unless_skipped, applied), new_second, inner.second_moment),
         new_first if hp.momentum is not None else None,
         new_compensation if inner.compensation is not None else None,
     )
@@ -181,7 +198,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       return new_updates, new_inner
     return new_updates, guard.record_step(
         state, new_inner, leaf_finite, step_finite,
-        max_consecutive=hp.max_consecutive_skips, checked=hp.checked,
+        max_consecutive=hp.max_consecutive_skips, checked=hp.checked, spike=spike,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

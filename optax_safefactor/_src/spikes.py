@@ -1,0 +1,269 @@
+r"""The spike rule: a rolling history of each step's statistics, and the verdict on a step.
+
+A step is a spike when one of its statistics (the global gradient norm, and the loss when
+``update`` is given ``value=``) is finite and above
+
+.. math::
+  \mathrm{limit} = \bar x + k \cdot \max(s, f\,|\bar x|)
+
+where :math:`\bar x` and :math:`s` are the mean and the sample standard deviation
+(``ddof=1``) of that statistic over the history, :math:`k` is ``skip_spikes`` and
+:math:`f` is :data:`RELATIVE_STD_FLOOR`, and the history holds at least
+``spike_window // 2`` values of it. The history holds the statistics of the last
+``spike_window`` applied steps: a skipped spike and a non-finite step stay out of it, so
+one outlier cannot widen the limit for the steps that follow. After ``spike_window // 2``
+spike skips in a row, the next spike is taken and the history restarts from it, so a
+lasting change of scale costs at most ``spike_window // 2`` skipped steps.
+
+The verdict is computed from reduced scalars, so on a mesh every device and process
+reaches the same one. :func:`judge` decides; :func:`record` writes the new history.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_safefactor._src import checks
+
+# The standard deviation is at least this fraction of the mean's magnitude: over a nearly
+# constant history, with skip_spikes=6, no value within 12% of the mean is a spike.
+RELATIVE_STD_FLOOR = 0.02
+
+# The statistics a spike is judged on, as stored in ``SpikeHistory.last_spike_statistic``.
+GRADIENT_NORM, LOSS = 0, 1
+STATISTIC_NAMES = {GRADIENT_NORM: "gradient norm", LOSS: "loss"}
+
+
+class SpikeHistory(NamedTuple):
+  """The spike rule's state, inside a :class:`SkipNonfiniteState` (``spikes``).
+
+  Attributes:
+    gradient_norms: a ring of the last ``spike_window`` applied steps' global gradient
+      norms (float32); only the first ``length`` entries are filled.
+    losses: the same steps' losses (float32), NaN where ``update`` had no ``value``.
+    length: how many entries of the ring are filled (int32, at most ``spike_window``).
+    position: where the next entry goes (int32).
+    consecutive_spikes: spike skips since the last applied step (int32).
+    skipped_spikes: steps skipped as spikes in all (int32).
+    last_spike_step: the guard's ``step`` at the last skipped spike, or -1 (int32).
+    last_spike_statistic: 0 when that spike was the gradient norm's, 1 the loss's (int32).
+    last_spike_value: that statistic's value at the last skipped spike (float32).
+    last_spike_limit: the limit it was above (float32).
+    last_spike_leaf: the index, in the params' tree order, of the leaf whose gradient
+      norm was largest at the last skipped spike, or -1 (int32).
+    last_spike_leaf_norm: that leaf's gradient norm (float32).
+  """
+
+  gradient_norms: jax.Array
+  losses: jax.Array
+  length: jax.Array
+  position: jax.Array
+  consecutive_spikes: jax.Array
+  skipped_spikes: jax.Array
+  last_spike_step: jax.Array
+  last_spike_statistic: jax.Array
+  last_spike_value: jax.Array
+  last_spike_limit: jax.Array
+  last_spike_leaf: jax.Array
+  last_spike_leaf_norm: jax.Array
+
+
+_COUNTERS = ("length", "position", "consecutive_spikes", "skipped_spikes", "last_spike_step",
+             "last_spike_statistic", "last_spike_leaf")
+_STATISTICS = ("gradient_norms", "losses", "last_spike_value", "last_spike_limit",
+               "last_spike_leaf_norm")
+
+
+def init_history(window: int) -> SpikeHistory:
+  """An empty history of ``window`` steps."""
+  zero = jnp.zeros([], jnp.int32)
+  none = jnp.full([], -1, jnp.int32)
+  nan = jnp.full([], jnp.nan, jnp.float32)
+  return SpikeHistory(
+      gradient_norms=jnp.zeros([window], jnp.float32),
+      losses=jnp.full([window], jnp.nan, jnp.float32),
+      length=zero, position=zero, consecutive_spikes=zero, skipped_spikes=zero,
+      last_spike_step=none, last_spike_statistic=none, last_spike_value=nan,
+      last_spike_limit=nan, last_spike_leaf=none, last_spike_leaf_norm=nan,
+  )
+
+
+def check_settings(skip_spikes: Any, spike_window: Any) -> None:
+  """``skip_spikes`` a positive finite number (or ``None``), ``spike_window`` an int of at
+  least 2; else ``ValueError`` (``TypeError`` for a string). Traced values pass.
+
+  >>> check_settings(6.0, 1)
+  Traceback (most recent call last):
+  ...
+  ValueError: spike_window must be an int of at least 2 (the steps of history that the \
+spike rule keeps; it judges once half of them are there), got 1
+  """
+  if skip_spikes is not None and not isinstance(skip_spikes, jax.core.Tracer):
+    if isinstance(skip_spikes, str) or callable(skip_spikes):
+      raise TypeError(f"skip_spikes must be a number of standard deviations such as 6.0 "
+                      f"(or None), got {skip_spikes!r}")
+    number = float(np.asarray(skip_spikes))
+    if not (np.isfinite(number) and number > 0):
+      raise ValueError(f"skip_spikes must be a positive number of standard deviations "
+                       f"(6.0 is the usual choice) or None, got {skip_spikes!r}")
+  meaning = (" (the steps of history that the spike rule keeps; it judges once half of them "
+             "are there)")
+  checks.check_positive_int(spike_window, "spike_window", meaning=meaning)
+  if not isinstance(spike_window, jax.core.Tracer) and int(spike_window) < 2:
+    raise ValueError(f"spike_window must be an int of at least 2{meaning}, got {spike_window!r}")
+
+
+def window_of(history: SpikeHistory) -> int:
+  """The history's ``spike_window``: its ring's length (static, from the shape)."""
+  return history.gradient_norms.shape[0]
+
+
+def check_history(history: Any) -> None:
+  """A history whose counters are int32 and whose statistics are float32: ``TypeError``
+  naming the field otherwise (a state cast whole to bfloat16, say)."""
+  checks.check_counters(history, _COUNTERS)
+  for field in _STATISTICS:
+    dtype = np.dtype(getattr(history, field).dtype)
+    if dtype != np.float32:
+      raise TypeError(
+          f"SpikeHistory.{field}: the spike history must stay float32, got {dtype.name}; "
+          "cast only the params' statistics of a state, not the guard's")
+
+
+def check_value(value: Any) -> jax.Array | None:
+  """``update``'s ``value=`` (the loss) as a float32 scalar, or ``None`` when not given."""
+  if value is None:
+    return None
+  shape = np.shape(value)
+  if shape not in ((), (1,)):
+    raise ValueError(
+        f"value= must be the step's scalar loss, got an array of shape {shape}; pass the "
+        "mean loss (value=jnp.mean(losses))")
+  return jnp.reshape(jnp.asarray(value), ()).astype(jnp.float32)
+
+
+class Limit(NamedTuple):
+  """One statistic's verdict: whether it is a spike, and the limit it was judged by."""
+
+  spike: jax.Array
+  limit: jax.Array
+
+
+def spike_limit(values: jax.Array, filled: jax.Array, value: jax.Array,
+                threshold: jax.typing.ArrayLike, min_length: int) -> Limit:
+  r"""Is ``value`` a spike against the ``filled`` entries of ``values``?
+
+  ``limit`` is :math:`\bar x + k \max(s, f |\bar x|)` over the filled entries (NaN
+  when fewer than two); ``spike`` needs at least ``min_length`` of them and a finite
+  ``value`` above the limit.
+
+  >>> history = jnp.array([1.0, 1.1, 0.9, 1.0])
+  >>> verdict = spike_limit(history, jnp.ones(4, bool), jnp.array(2.0), 6.0, 2)
+  >>> bool(verdict.spike), round(float(verdict.limit), 3)
+  (True, 1.49)
+  """
+  count = jnp.sum(filled.astype(jnp.float32))
+  mean = jnp.sum(jnp.where(filled, values, 0.0)) / jnp.maximum(count, 1.0)
+  deviations = jnp.where(filled, values - mean, 0.0)
+  std = jnp.sqrt(jnp.sum(deviations * deviations) / jnp.maximum(count - 1.0, 1.0))
+  std = jnp.maximum(std, RELATIVE_STD_FLOOR * jnp.abs(mean))
+  limit = mean + jnp.asarray(threshold, jnp.float32) * std
+  limit = jnp.where(count >= 2, limit, jnp.nan)
+  spike = jnp.isfinite(value) & (count >= min_length) & (value > limit)
+  return Limit(spike, limit)
+
+
+class SpikeVerdict(NamedTuple):
+  """What :func:`judge` decided about one step.
+
+  Attributes:
+    skip: skip this step as a spike (it is finite, a spike, and within the bound).
+    restart: the step is a spike taken at the bound: the history restarts from it.
+    gradient_norm, loss: the step's statistics (the loss NaN when not given).
+    statistic: which statistic was the spike (``GRADIENT_NORM`` or ``LOSS``).
+    value, limit: that statistic's value and limit.
+    leaf, leaf_norm: the leaf with the largest gradient norm, and that norm.
+  """
+
+  skip: jax.Array
+  restart: jax.Array
+  gradient_norm: jax.Array
+  loss: jax.Array
+  statistic: jax.Array
+  value: jax.Array
+  limit: jax.Array
+  leaf: jax.Array
+  leaf_norm: jax.Array
+
+
+def judge(history: SpikeHistory, leaf_square_sums: list[jax.Array], loss: jax.Array | None,
+          threshold: jax.typing.ArrayLike, step_finite: jax.Array) -> SpikeVerdict:
+  """The verdict on a step whose leaves' gradients have these sums of ``|g|**2``.
+
+  ``step_finite`` is the non-finite guard's verdict: a non-finite step is skipped as such,
+  never as a spike.
+  """
+  window = window_of(history)
+  sums = jnp.stack([jnp.asarray(s, jnp.float32) for s in leaf_square_sums]) if (
+      leaf_square_sums) else jnp.zeros([0], jnp.float32)
+  gradient_norm = jnp.sqrt(jnp.sum(sums))
+  loss = jnp.full([], jnp.nan, jnp.float32) if loss is None else loss
+  filled = jnp.arange(window) < history.length
+  by_norm = spike_limit(history.gradient_norms, filled, gradient_norm, threshold, window // 2)
+  by_loss = spike_limit(history.losses, filled & jnp.isfinite(history.losses), loss,
+                        threshold, window // 2)
+  spike = step_finite & (by_norm.spike | by_loss.spike)
+  within_bound = history.consecutive_spikes < window // 2
+  on_loss = by_loss.spike & ~by_norm.spike
+  leaf = jnp.argmax(sums).astype(jnp.int32) if leaf_square_sums else jnp.full([], -1, jnp.int32)
+  leaf_norm = jnp.sqrt(jnp.max(sums)) if leaf_square_sums else jnp.full([], jnp.nan)
+  return SpikeVerdict(
+      skip=spike & within_bound,
+      restart=spike & ~within_bound,
+      gradient_norm=gradient_norm,
+      loss=loss,
+      statistic=jnp.where(on_loss, LOSS, GRADIENT_NORM).astype(jnp.int32),
+      value=jnp.where(on_loss, loss, gradient_norm),
+      limit=jnp.where(on_loss, by_loss.limit, by_norm.limit),
+      leaf=leaf,
+      leaf_norm=leaf_norm.astype(jnp.float32),
+  )
+
+
+def record(history: SpikeHistory, verdict: SpikeVerdict, step_finite: jax.Array,
+           step: jax.Array) -> SpikeHistory:
+  """The history after a step: appended to when the step was applied with a finite norm,
+  restarted from it at the bound, unchanged when it was skipped (spike or non-finite)."""
+  window = window_of(history)
+  applied = step_finite & ~verdict.skip
+  appends = applied & jnp.isfinite(verdict.gradient_norm)
+  position = jnp.where(verdict.restart, 0, history.position)
+  loss = jnp.where(jnp.isfinite(verdict.loss), verdict.loss, jnp.nan)
+
+  def write(ring, value):
+    written = jax.lax.dynamic_update_index_in_dim(ring, value, position, 0)
+    return jnp.where(appends, written, ring)
+
+  length = jnp.where(verdict.restart, 1, jnp.minimum(history.length + 1, window))
+  skip = verdict.skip
+  return SpikeHistory(
+      gradient_norms=write(history.gradient_norms, verdict.gradient_norm),
+      losses=write(history.losses, loss),
+      length=jnp.where(appends, length, history.length),
+      position=jnp.where(appends, (position + 1) % window, history.position),
+      consecutive_spikes=jnp.where(skip, optax.safe_increment(history.consecutive_spikes),
+                                   jnp.where(applied, 0, history.consecutive_spikes)),
+      skipped_spikes=jnp.where(skip, optax.safe_increment(history.skipped_spikes),
+                               history.skipped_spikes),
+      last_spike_step=jnp.where(skip, step, history.last_spike_step),
+      last_spike_statistic=jnp.where(skip, verdict.statistic, history.last_spike_statistic),
+      last_spike_value=jnp.where(skip, verdict.value, history.last_spike_value),
+      last_spike_limit=jnp.where(skip, verdict.limit, history.last_spike_limit),
+      last_spike_leaf=jnp.where(skip, verdict.leaf, history.last_spike_leaf),
+      last_spike_leaf_norm=jnp.where(skip, verdict.leaf_norm, history.last_spike_leaf_norm),
+  )
