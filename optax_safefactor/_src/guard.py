@@ -38,8 +38,8 @@ from jax.experimental import checkify
 
 from optax_safefactor._src import checks, numerics, reports, spikes, xla_hints
 from optax_safefactor._src.checked_mode import needs_checkify
-from optax_safefactor._src.kernel import abs_sq
 from optax_safefactor._src.counters import SkipNonfiniteState, count_call, init_guarded
+from optax_safefactor._src.kernel import abs_sq
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
 
 

@@ -103,7 +103,6 @@ def mean_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> jax.Array:
   return jnp.mean(abs_sq(x), axes, keepdims=True)
 
 
-
 # Schedules -------------------------------------------------------------------------
 
 
@@ -172,11 +171,8 @@ def update_second_moment(
   :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf; ``beta2`` is in
   the real compute dtype.
 
-  With ``with_square_sum``, also :math:`\sum |g|^2` (for the spike rule's gradient norm):
-  for a factored leaf read off the row means, :math:`(\mathrm{mean}(\mathrm{mean}_C(|g|^2)
-  + \epsilon) - \epsilon) \cdot \mathrm{size}`, so no pass over the gradient is added;
-  else ``None``.
-  """
+  With ``with_square_sum``, also :math:`\sum |g|^2` for the spike rule, read off the row
+  means when factored (no pass over the gradient is added); else ``None``."""
   ct = compute_dtype
   eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):

@@ -17,16 +17,16 @@ import jax.numpy as jnp
 import optax
 
 from optax_safefactor._src import (
-    checks,
-    counters,
-    guard,
-    kernel,
-    spikes,
-    numerics,
-    placement,
-    trees,
-    write_back,
-    xla_hints,
+  checks,
+  counters,
+  guard,
+  kernel,
+  numerics,
+  placement,
+  spikes,
+  trees,
+  write_back,
+  xla_hints,
 )
 from optax_safefactor._src.hyperparams import Hyperparams, momentum_dtype
 from optax_safefactor._src.plan import Planner
