@@ -239,6 +239,11 @@ TRANSFORMATIONS = {
     "safefactor_momentum": Transformation(
         lambda: osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-4),
         dict(learning_rate=0.1, momentum=0.9, weight_decay_rate=1e-4)),
+    # Spike skipping on, with a window short enough to judge within the tests' few steps
+    # (their gradients are alike in scale: no step is a spike, the history is state).
+    "safefactor_spikes": Transformation(
+        lambda: osf.safefactor(0.1, momentum=0.9, skip_spikes=6.0, spike_window=4),
+        dict(learning_rate=0.1, momentum=0.9)),
     # scale(-0.02) after the scaling: a learning rate of 0.02 and nothing else.
     "scale_by_safe_factored_rms": Transformation(
         lambda: optax.chain(osf.scale_by_safe_factored_rms(min_dim_size_to_factor=8),

@@ -45,8 +45,10 @@ def main(process_id: int, num_processes: int, port: int, output: str) -> None:
   gathered = multihost_utils.process_allgather(params, tiled=True)
   # The counter is replicated on every device: read this process's copy.
   skipped = int(osf.skipped_steps(state).addressable_data(0))
+  spikes = int(osf.skipped_spikes(state).addressable_data(0))
   if process_id == 0:
-    np.savez(output, skipped=skipped, **{k: np.asarray(v) for k, v in gathered.items()})
+    np.savez(output, skipped=skipped, spikes=spikes,
+             **{k: np.asarray(v) for k, v in gathered.items()})
   jax.distributed.shutdown()
 
 

@@ -144,9 +144,9 @@ def test_a_state_cast_whole_is_refused_naming_its_counter(name):
   # that and, after 300 updates, reported "no skipped steps in 256 steps".
   tx = TRANSFORMATIONS[name].build()
   params = _params()
-  with pytest.raises(TypeError, match=r"State\.\w+(\[.*\])?: a counter must stay int32, got "
-                                      r"bfloat16 \(a bfloat16 count stops at 256\); cast only "
-                                      r"the floating leaves"):
+  with pytest.raises(TypeError, match=r"(State|History)\.\w+(\[.*\])?: a counter must stay "
+                                      r"int32, got bfloat16 \(a bfloat16 count stops at 256\); "
+                                      r"cast only the floating leaves"):
     tx.update(params, _cast(tx.init(params), jnp.bfloat16), params)
 
 

@@ -70,5 +70,6 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
                for k, v in grads_np.items()}
       updates, state = update(grads, state, params)
       params = optax.apply_updates(params, updates)
-  assert int(result["skipped"]) == int(osf.skipped_steps(state)) == 1
+  assert int(result["skipped"]) == int(osf.skipped_steps(state)) == 2
+  assert int(result["spikes"]) == int(osf.skipped_spikes(state)) == 1
   assert_trees_close({k: result[k] for k in SPECS}, jax.tree.map(np.asarray, params), rtol=1e-6)

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
 from tests.helpers import assert_trees_bitwise_equal, is_all_zero
@@ -370,3 +372,27 @@ def test_a_state_without_history_and_a_loss_that_is_not_a_scalar_are_refused():
   cast = cast._replace(inner_state=with_spikes.init(params).inner_state)
   with pytest.raises(TypeError, match="SpikeHistory.gradient_norms: .* float32, got bfloat16"):
     with_spikes.update(grads, cast, params)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_a_sharded_run_skips_the_same_steps_as_one_device(axis_type):
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+  specs = {"w": P("model", None), "b": P("model")}
+  shapes = {"w": (16, 8), "b": (8,)}
+  rng = np.random.default_rng(17)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+  scales = _scales(24, seed=18, spikes=[(14, 50.0), (20, 5.0)])
+  grads = [{k: jnp.asarray(rng.normal(size=s) * scale, jnp.float32) for k, s in shapes.items()}
+           for scale in scales]
+  tx = osf.safefactor(1e-2, momentum=0.9, min_dim_size_to_factor=4, skip_spikes=6.0,
+                      spike_window=8)
+  one_device, skipped_one, _ = _run(tx, grads, params)
+  with jax.set_mesh(mesh):
+    def place(tree):
+      return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
+
+    sharded, skipped_mesh, _ = _run(tx, [place(g) for g in grads], place(params))
+  assert skipped_mesh == skipped_one and sum(skipped_one) == 2
+  assert int(osf.skipped_spikes(sharded)) == 2
+  np.testing.assert_allclose(np.asarray(sharded.spikes.gradient_norms),
+                             np.asarray(one_device.spikes.gradient_norms), rtol=1e-6)
