@@ -358,11 +358,11 @@ def test_a_state_without_history_and_a_loss_that_is_not_a_scalar_are_refused():
   grads = _grads([1.0])[0]
   with_spikes = osf.safefactor(0.1, skip_spikes=6.0)
   without = osf.safefactor(0.1)
-  with pytest.raises(ValueError, match="has no spike history.*skip_spikes=6.0"):
+  with pytest.raises(ValueError, match=r"has no spike history.*skip_spikes=6.0"):
     with_spikes.update(grads, without.init(params), params)
-  with pytest.raises(ValueError, match="has a spike history.*skip_spikes=None"):
+  with pytest.raises(ValueError, match=r"has a spike history.*skip_spikes=None"):
     without.update(grads, with_spikes.init(params), params)
-  with pytest.raises(ValueError, match="holds 128 steps.*spike_window=16"):
+  with pytest.raises(ValueError, match=r"holds 128 steps.*spike_window=16"):
     osf.safefactor(0.1, skip_spikes=6.0, spike_window=16).update(
         grads, with_spikes.init(params), params)
   with pytest.raises(ValueError, match=r"value= must be the step's scalar loss.*\(4,\)"):
@@ -370,7 +370,7 @@ def test_a_state_without_history_and_a_loss_that_is_not_a_scalar_are_refused():
   cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x,
                       with_spikes.init(params))
   cast = cast._replace(inner_state=with_spikes.init(params).inner_state)
-  with pytest.raises(TypeError, match="SpikeHistory.gradient_norms: .* float32, got bfloat16"):
+  with pytest.raises(TypeError, match=r"SpikeHistory.gradient_norms: .* float32, got bfloat16"):
     with_spikes.update(grads, cast, params)
 
 
