@@ -37,7 +37,8 @@ def test_bench_runs_and_writes_json(tmp_path):
       "| tree | dtype | config | optimizer | step (min / median / max) | compile")
   rows = json.loads(pathlib.Path(out).read_text())
   assert {(r["optimizer"], r["config"]) for r in rows} == {
-      (name, config) for name in ("optax.adafactor", "safefactor", "safefactor, guard off")
+      (name, config) for name in ("optax.adafactor", "safefactor", "safefactor, guard off",
+                                  "safefactor, spikes")
       for config in ("default", "momentum")}
   for row in rows:
     for key in ("step_ratio", "compile_ratio", "temp_bytes", "state_bytes", "roofline_fraction",

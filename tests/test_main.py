@@ -24,7 +24,7 @@ def _run(*args, cwd):
 
 def test_demo_prints_table_and_writes_plot(tmp_path):
   result = _run("--steps", "12", "--dtype", "float16", "--rounding-steps", "0",
-                "--out", str(tmp_path / "out"), cwd=tmp_path)
+                "--spike-steps", "0", "--out", str(tmp_path / "out"), cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0].startswith("| optimizer | params | write-back | lr | final loss")
@@ -47,7 +47,7 @@ def test_bad_flag_is_a_usage_error(tmp_path):
 
 def test_accumulate_counts_optimizer_steps(tmp_path):
   result = _run("--steps", "2", "--accumulate", "4", "--dtype", "bfloat16", "--rounding-steps", "0",
-                "--out", str(tmp_path / "out"), cwd=tmp_path)
+                "--spike-steps", "0", "--out", str(tmp_path / "out"), cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   safe = next(line for line in result.stdout.splitlines()
               if line.startswith("| safefactor | bfloat16"))
@@ -63,7 +63,7 @@ def test_accumulate_must_divide_the_batch(tmp_path, k):
 
 def test_write_back_comparison(tmp_path):
   result = _run("--steps", "2", "--dtype", "bfloat16", "--rounding-steps", "3",
-                "--out", str(tmp_path / "out"), cwd=tmp_path)
+                "--spike-steps", "0", "--out", str(tmp_path / "out"), cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   rows = [line for line in result.stdout.splitlines() if "| 0.001 |" in line]
   assert [row.split(" | ")[:3] for row in rows] == [
@@ -76,6 +76,21 @@ def test_write_back_comparison(tmp_path):
 def test_rounding_steps_is_zero_or_at_least_two(tmp_path):
   result = _run("--rounding-steps", "1", cwd=tmp_path)
   assert result.returncode == 2 and "--rounding-steps must be 0 or at least 2" in result.stderr
+  result = _run("--spike-steps", "1", cwd=tmp_path)
+  assert result.returncode == 2 and "--spike-steps must be 0 or at least 2" in result.stderr
+
+
+def test_spike_comparison_skips_the_spike_and_counts_it(tmp_path):
+  # Two steps past the spike: safefactor skips it (the history holds 100 steps by then),
+  # optax.adafactor steps on it; the table and the plot's last panel show both.
+  steps = demo.SPIKE_AT + 2
+  result = _run("--steps", "2", "--dtype", "bfloat16", "--rounding-steps", "0",
+                "--spike-steps", str(steps), "--out", str(tmp_path / "out"), cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [line.split(" | ") for line in result.stdout.splitlines() if "| float32 |" in line]
+  assert [(row[0], row[3], row[7]) for row in rows] == [
+      ("| optax.adafactor", "0.001", "n/a"), ("| safefactor (skip_spikes=6)", "0.001", "1")]
+  assert all(row[6] == f"0 / {steps}" for row in rows)
 
 
 @pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999999"])
@@ -105,7 +120,8 @@ def test_help(tmp_path):
 def test_every_option_is_documented():
   actions = [a for a in demo.build_parser()._actions if not isinstance(a, argparse._HelpAction)]
   assert {o for a in actions for o in a.option_strings} == {
-      "--steps", "--dtype", "--out", "--seed", "--rounding-steps", "--accumulate"}
+      "--steps", "--dtype", "--out", "--seed", "--rounding-steps", "--spike-steps",
+      "--accumulate"}
   assert all(a.help and len(a.help) > 10 for a in actions)
 
 
@@ -191,6 +207,26 @@ def test_coinciding_curves_all_show():
     widths = [line.get_linewidth() for line in lines]
     assert widths == sorted(widths, reverse=True) and len(set(widths)) == 5
     assert len({line.get_marker() for line in lines}) == 5
+  finally:
+    plt.close(figure)
+
+
+def test_spike_panel_marks_the_spike_and_names_the_skip():
+  import matplotlib.pyplot as plt
+
+  same = dict(learning_rate=1e-3, comparison="spike")
+  steps = demo.SPIKE_AT + 20
+  results = [_result("optax.adafactor", "float32", steps, **same),
+             demo.RunResult("safefactor (skip_spikes=6)", "float32",
+                            list(np.linspace(3.0, 2.0, steps)), 0, 1, 1024, 1.0, **same)]
+  figure = demo.loss_figure(results)
+  try:
+    (axis,) = figure.axes
+    assert axis.get_title() == "a 50x gradient at step 100 (float32, lr 0.001)"
+    labels = [line.get_label() for line in axis.get_lines()]
+    assert labels[:2] == ["optax.adafactor", "safefactor (skip_spikes=6) (1 step skipped)"]
+    marks = [line for line in axis.get_lines() if line.get_label().startswith("_")]
+    assert [list(line.get_xdata()) for line in marks] == [[demo.SPIKE_AT, demo.SPIKE_AT]]
   finally:
     plt.close(figure)
 

@@ -116,10 +116,24 @@ ROUNDING_RUNS = (
 )
 
 
+# The spike comparison: float32 params, one batch whose gradient is multiplied by
+# SPIKE_FACTOR (finite, as a bad batch's can be) once the spike rule has its half window of
+# history (64 steps at the default spike_window=128). Adafactor's update clipping bounds
+# that one step, so the loss does not jump; the spike's cost is in the second moment, which
+# it multiplies about 60-fold at step 100 (beta2 = 1 - 101**-0.8): the next updates shrink
+# and optax.adafactor falls behind, which shows at a learning rate where progress is steady.
+SPIKE_STEPS = 250
+SPIKE_AT = 100
+SPIKE_LEARNING_RATE = 1e-3
+SPIKE_FACTOR = 50.0
+SKIP_SPIKES = 6.0
+
+
 def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
-               param_rounding: str | None):
+               param_rounding: str | None, skip_spikes: float | None = None):
   if optimizer_name == "safefactor":
-    tx = osf.safefactor(learning_rate, param_rounding=param_rounding or "nearest")
+    tx = osf.safefactor(learning_rate, param_rounding=param_rounding or "nearest",
+                        skip_spikes=skip_spikes)
     # optax.MultiSteps would poison its accumulator for ever on one NaN micro-batch.
     return osf.accumulate_gradients(tx, accumulate) if accumulate > 1 else tx
   tx = optax.adafactor(learning_rate)
@@ -128,10 +142,12 @@ def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
 
 def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress, *,
           accumulate: int = 1, learning_rate: float = 1e-2,
-          param_rounding: str | None = None) -> RunResult:
+          param_rounding: str | None = None, skip_spikes: float | None = None,
+          spike_at: int | None = None) -> RunResult:
   """``steps`` optimizer steps, each on ``BATCH_SIZE`` sequences in ``accumulate`` micro-batches.
 
-  The loss recorded for a step is the mean of its micro-batch losses.
+  The loss recorded for a step is the mean of its micro-batch losses. At step ``spike_at``
+  (if any) the gradient is ``SPIKE_FACTOR`` times the batch's.
   """
   from flax import nnx
 
@@ -140,19 +156,20 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress,
   encoded = np.array([alphabet.index(c) for c in corpus], np.int32)
   dtype = jnp.dtype(dtype_name)
   model = _build_model(len(alphabet), dtype, seed)
-  tx = _optimizer(optimizer_name, learning_rate, accumulate, param_rounding)
+  tx = _optimizer(optimizer_name, learning_rate, accumulate, param_rounding, skip_spikes)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   rng = np.random.default_rng(seed)
 
   # One compiled micro-step, called `accumulate` times per optimizer step: the
   # accumulating transformation emits the update on the last micro-batch of a group.
   @nnx.jit
-  def step(model, optimizer, tokens):
+  def step(model, optimizer, tokens, gradient_factor):
     def loss_fn(model):
       logits = model(tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+      return loss * gradient_factor, loss
 
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
     params_finite = jnp.all(jnp.stack([
         jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]))
@@ -163,8 +180,9 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress,
     starts = rng.integers(0, len(encoded) - SEQUENCE_LENGTH - 1, BATCH_SIZE)
     batch = np.stack([encoded[s:s + SEQUENCE_LENGTH + 1] for s in starts])
     micro_losses, params_finite = [], True
+    factor = jnp.float32(SPIKE_FACTOR if index == spike_at else 1.0)
     for tokens in np.split(batch, accumulate):
-      loss, finite = step(model, optimizer, jnp.asarray(tokens))
+      loss, finite = step(model, optimizer, jnp.asarray(tokens), factor)
       micro_losses.append(float(loss))
       params_finite = params_finite and bool(finite)
     losses.append(float(np.mean(micro_losses)))
@@ -174,7 +192,10 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress,
     progress.update(1)
   ms_per_step = (time.perf_counter() - started) * 1e3 / max(steps - 1, 1)
   state_leaves = jax.tree.leaves(nnx.state(optimizer.opt_state))
-  skipped = int(osf.skipped_steps(optimizer.opt_state)) if optimizer_name == "safefactor" else None
+  skipped = (int(osf.skipped_steps(optimizer.opt_state)) if optimizer_name == "safefactor"
+             else None)
+  if skip_spikes is not None:
+    optimizer_name = f"{optimizer_name} (skip_spikes={skip_spikes:g})"
   return RunResult(
       optimizer_name, dtype_name, losses, nonfinite_steps, skipped,
       sum(np.asarray(leaf).nbytes for leaf in state_leaves), ms_per_step,
@@ -219,6 +240,10 @@ def _panels(results: Sequence[RunResult]):
     title = f"write-back at lr {rounding[0].learning_rate:g} "
     title += f"(mean of {window} steps)" if window > 1 else "(each step: too few to average)"
     panels.append((title, rounding, max(window, 1)))
+  spike = [r for r in results if r.comparison == "spike"]
+  if spike:
+    panels.append((f"a {SPIKE_FACTOR:g}x gradient at step {SPIKE_AT} "
+                   f"({spike[0].dtype}, lr {spike[0].learning_rate:g})", spike, 1))
   return panels
 
 
@@ -243,6 +268,8 @@ def loss_figure(results: Sequence[RunResult]):
       label = r.optimizer
       if r.comparison == "rounding":  # one optimizer, several dtypes and modes
         label = f"{r.optimizer}, {r.dtype} {r.rounding}"
+      if r.comparison == "spike" and r.skipped_steps:
+        label += f" ({plural(r.skipped_steps, 'step')} skipped)"
       if window > 1:
         losses = np.convolve(losses, np.ones(window) / window, mode="valid")
       offset = len(r.losses) - len(losses)  # a running mean starts at its window's end
@@ -265,6 +292,11 @@ def loss_figure(results: Sequence[RunResult]):
         axis.axvline(bad[0], color="red", alpha=0.4)
         axis.annotate(f"{r.optimizer}: NaN from step {bad[0]}", (bad[0], axis.get_ylim()[1]),
                       xytext=(5, -15), textcoords="offset points", color="red", fontsize=8)
+    if runs and runs[0].comparison == "spike" and len(runs[0].losses) > SPIKE_AT:
+      axis.axvline(SPIKE_AT, color="orange", alpha=0.6, linestyle=":")
+      axis.annotate(f"{SPIKE_FACTOR:g}x gradient", (SPIKE_AT, axis.get_ylim()[1]),
+                    xytext=(5, -15), textcoords="offset points", color="darkorange",
+                    fontsize=8)
     axis.set_title(title)
     axis.set_xlabel("step")
     # Steps are whole numbers; left alone, a short run gets ticks at 0.5, 1.5, ...
@@ -309,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog=PROG,
       usage=f"{PROG} [-h] [--steps N] [--dtype DTYPE] [--out DIR] [--seed N]\n"
-            f"       {' ' * len(PROG)} [--rounding-steps N] [--accumulate K]\n"
+            f"       {' ' * len(PROG)} [--rounding-steps N] [--spike-steps N] [--accumulate K]\n"
             f"       {PROG} {{bench,bench-rounding,bench-accumulate}} [-h] [options]",
       description=wrap(
           "Train a tiny transformer in float16 and bfloat16 with safefactor and with "
@@ -335,6 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
            "loss about 18%% above float32 params); 400 widens the gap and takes about "
            f"twice as long ({ROUNDING_STEPS})")
   parser.add_argument(
+      "--spike-steps", type=int, default=SPIKE_STEPS, metavar="N",
+      help=f"steps of each spike run: float32 params at lr {SPIKE_LEARNING_RATE:g}, with a "
+           "gradient "
+           f"{SPIKE_FACTOR:g} times the batch's at step {SPIKE_AT}, for optax.adafactor and "
+           f"for safefactor with skip_spikes={SKIP_SPIKES:g}, which skips it; 0 skips these "
+           f"runs, and a run of {SPIKE_AT} steps or fewer ends before the spike "
+           f"({SPIKE_STEPS})")
+  parser.add_argument(
       "--accumulate", type=int, default=1, metavar="K",
       help=f"split each batch of {BATCH_SIZE} sequences into K micro-batches and accumulate "
            "their gradients: osf.accumulate_gradients around safefactor, optax.MultiSteps "
@@ -350,6 +390,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--steps must be at least 2")
   if args.rounding_steps != 0 and args.rounding_steps < 2:
     parser.error("--rounding-steps must be 0 or at least 2")
+  if args.spike_steps != 0 and args.spike_steps < 2:
+    parser.error("--spike-steps must be 0 or at least 2")
   if not 0 <= args.seed <= MAX_SEED:
     parser.error(f"--seed must be from 0 to {MAX_SEED}, not {args.seed}")
   if args.accumulate < 1 or BATCH_SIZE % args.accumulate:
@@ -367,7 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   dtypes = ("float16", "bfloat16") if args.dtype == "both" else (args.dtype,)
   runs = [(name, dtype) for dtype in dtypes for name in ("safefactor", "optax.adafactor")]
   rounding_runs = ROUNDING_RUNS if args.rounding_steps else ()
-  total = len(runs) * args.steps + len(rounding_runs) * args.rounding_steps
+  spike_runs = ((("optax.adafactor", None), ("safefactor", SKIP_SPIKES)) if args.spike_steps
+                else ())
+  total = (len(runs) * args.steps + len(rounding_runs) * args.rounding_steps
+           + len(spike_runs) * args.spike_steps)
   results = []
   with tqdm(total=total, unit="step", file=sys.stderr) as progress:
     for name, dtype in runs:
@@ -380,6 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                      accumulate=args.accumulate, learning_rate=ROUNDING_LEARNING_RATE,
                      param_rounding=rounding if name == "safefactor" else None)
       results.append(dataclasses.replace(result, comparison="rounding"))
+    for name, skip_spikes in spike_runs:
+      progress.set_description(f"{name} / a {SPIKE_FACTOR:g}x gradient")
+      result = train(name, "float32", args.spike_steps, args.seed, progress,
+                     accumulate=args.accumulate, learning_rate=SPIKE_LEARNING_RATE,
+                     skip_spikes=skip_spikes, spike_at=SPIKE_AT)
+      results.append(dataclasses.replace(result, comparison="spike"))
   print(results_table(results))
   path = args.out / "loss_curves.png"
   plot(results, path)
