@@ -51,6 +51,8 @@ def test_section_runs_as_written(title):
       "Checkpoints": "SkipNonfiniteState",
       "A Flax NNX model on an Explicit mesh": "True 0\n(None, None) (None, 'model')",
       "Migrating a running `optax.adafactor` job": "(1, 128)",
+      "Spikes": "1 1\nskipped 1 of 100 steps; 1 spike (last at step 80: gradient norm 2272 > "
+                "limit 50.79, largest in params['w'])",
   }
   if title in expected:
     assert output.strip() == expected[title]
