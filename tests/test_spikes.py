@@ -179,6 +179,16 @@ def test_no_decision_before_half_a_window():
     assert skipped[-1] == skipped_expected
 
 
+def test_a_constant_history_does_not_make_every_small_rise_a_spike():
+  # The same gradient for 20 steps: the sample std is 0, so the floor (2% of the mean) sets
+  # the limit at 1.12 times the mean for k = 6. A 10% rise is taken, a 15% rise skipped.
+  base = _grads([1.0])[0]
+  for factor, skipped_expected in ((1.10, False), (1.15, True)):
+    grads = [base] * 20 + [jax.tree.map(lambda g, f=factor: g * f, base)]
+    _, skipped, _ = _run(SUBJECTS["skip_nonfinite"](skip_spikes=6.0, spike_window=16), grads)
+    assert skipped == [False] * 20 + [skipped_expected]
+
+
 def test_no_false_positive_over_a_long_noisy_run():
   # The gradient's scale varies by up to 10% from step to step, for 1,500 steps, with a fresh
   # direction each step: at 6 standard deviations nothing is a spike. Run as one lax.scan.
