@@ -8,8 +8,9 @@ which prints every opcode whose count changed.
 
 ``python tools/compiled_step.py times`` measures, on 48 layers of width 256 (576 leaves,
 float32), the time to trace and lower the train step (``jax.jit(step).lower``) and the
-time XLA takes to compile it, for safefactor (spike skipping off and on) and ``optax.adafactor`` in the same process,
-as the least over ``--repetitions`` rounds, with JAX's caches cleared before each.
+time XLA takes to compile it, for safefactor (spike skipping off and on) and
+``optax.adafactor`` in the same process, as the least over ``--repetitions`` rounds, with
+JAX's caches cleared before each.
 """
 
 from __future__ import annotations
