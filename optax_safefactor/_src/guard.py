@@ -151,7 +151,7 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> Any:
   return jax.tree.map(leaf_finite, new_updates, *shaped)
 
 
-def _square_sums(grads: Any) -> list[jax.Array]:
+def _square_sums(grads: Any) -> jax.Array:
   """Per leaf, the sum of ``|g|**2`` in float32 (0 for a leaf that is not floating)."""
 
   def square_sum(grad):
@@ -160,7 +160,8 @@ def _square_sums(grads: Any) -> list[jax.Array]:
       return jnp.zeros([], jnp.float32)
     return jnp.sum(abs_sq(grad.astype(numerics.compute_dtype(grad.dtype))))
 
-  return [square_sum(grad) for grad in jax.tree.leaves(grads)]
+  sums = [square_sum(grad).astype(jnp.float32) for grad in jax.tree.leaves(grads)]
+  return jnp.stack(sums) if sums else jnp.zeros([0], jnp.float32)
 
 
 def skip_nonfinite(

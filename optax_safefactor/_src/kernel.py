@@ -41,6 +41,7 @@ from optax_safefactor._src import bit_streams, numerics, xla_hints
 from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.placement import LeafPlacement
 from optax_safefactor._src.plan import FactorPlan
+from optax_safefactor._src.spikes import SquareSource
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
 from optax_safefactor._src.write_back import Rounding, is_narrow, store, write_back
 
@@ -162,37 +163,45 @@ def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
   return beta2 * old.astype(new_mean.dtype) + (1 - beta2) * new_mean
 
 
+# An unfactored leaf up to this size hands the spike rule its gradient itself (the rule
+# concatenates the leaves' and squares and reduces them once, which compiles faster than a
+# reduction per leaf); a larger one, its sum (a full-size copy would cost memory).
+GRADIENT_KEPT_UP_TO = 16384
+
+
 def update_second_moment(
     grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any,
-    compute_dtype: Any, how: Rounding | None = None, *, with_square_sum: bool = False,
+    compute_dtype: Any, how: Rounding | None = None, *, with_square_terms: bool = False,
 ) -> tuple[Moment, jax.Array | None]:
   r"""The new statistics: :math:`r_t = \beta r + (1-\beta)\,\mathrm{mean}_C(|g|^2+\epsilon)`,
   :math:`c_t = \beta c + (1-\beta)\,\mathrm{mean}_R(|g|^2+\epsilon)` (keepdims), or
   :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf; ``beta2`` is in
   the real compute dtype.
 
-  With ``with_square_sum``, also :math:`\sum |g|^2` for the spike rule, read off the row
-  means when factored (no pass over the gradient is added); else ``None``."""
+  With ``with_square_terms``, also where the spike rule reads :math:`\sum |g|^2` from (a
+  :class:`spikes.SquareSource`): a factored leaf's row means (no pass over the gradient is
+  added); else ``None``."""
   ct = compute_dtype
   eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):
     squares = abs_sq(grad.astype(ct))
     blended = _blend(moment.v, squares + eps, beta2)
-    square_sum = jnp.sum(squares) if with_square_sum else None
+    terms = None
+    if with_square_terms:
+      terms = (SquareSource("elements", grad) if grad.size <= GRADIENT_KEPT_UP_TO
+               else SquareSource("sum", jnp.sum(squares)))
     return FullMoment(*store((blended,), moment.v.dtype, how,
-                             (bit_streams.STREAM_STATISTICS,))), square_sum
+                             (bit_streams.STREAM_STATISTICS,))), terms
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
   row_mean = jnp.mean(abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
   col_mean = jnp.mean(abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
   blended = (_blend(moment.v_row, row_mean, beta2), _blend(moment.v_col, col_mean, beta2))
-  square_sum = None
-  if with_square_sum:
-    # An empty leaf (a batch axis of size 0) has no rows to average: its sum is 0.
-    square_sum = (jnp.maximum(jnp.mean(row_mean) - eps, 0) * grad.size if grad.size
-                  else jnp.zeros((), row_mean.dtype))
+  terms = None
+  if with_square_terms:
+    terms = SquareSource("row_means", row_mean, grad.size // max(row_mean.size, 1))
   return FactoredMoment(*store(
       blended, moment.v_row.dtype, how,
-      (bit_streams.STREAM_STATISTICS, bit_streams.STREAM_COLUMN_STATISTICS))), square_sum
+      (bit_streams.STREAM_STATISTICS, bit_streams.STREAM_COLUMN_STATISTICS))), terms
 
 
 class ScaleFactors(NamedTuple):
@@ -382,12 +391,12 @@ class LeafScaling(NamedTuple):
   Attributes:
     factors: the factors of :math:`1/\sqrt{\hat v}`.
     multiplier: clipping, learning rate and parameter scale, multiplied (or ``None``).
-    square_sum: :math:`\sum |g|^2`, with spike skipping on; else ``None``.
+    square_terms: with spike skipping on, where :math:`\sum |g|^2` is read from.
   """
 
   factors: ScaleFactors
   multiplier: jax.Array | None
-  square_sum: jax.Array | None = None
+  square_terms: SquareSource | None = None
 
 
 def leaf_scaling(
@@ -410,9 +419,9 @@ def leaf_scaling(
   decays = leaf.decays
   # A rounding write-back lands the update on a narrow param: it reads the param.
   reads_param_on_write_back = leaf.rounding is not None and is_narrow(param.dtype)
-  new_moment, square_sum = update_second_moment(
+  new_moment, square_terms = update_second_moment(
       grad, moment, plan, step.beta2[real_ct], hp.eps, ct, leaf.rounding,
-      with_square_sum=hp.skip_spikes is not None)
+      with_square_terms=hp.skip_spikes is not None)
   # With clipping, the statistics' finiteness rides on the clipping reduction.
   factors, finite = scale_factors(new_moment, plan, leaf.floor, leaf.cap, poison=clipping)
   multiplier = None
@@ -452,7 +461,7 @@ def leaf_scaling(
                  else numerics.all_finite(state))
   if checked:
     finite &= numerics.all_finite(*checked)
-  return new_moment, LeafScaling(factors, multiplier, square_sum), finite
+  return new_moment, LeafScaling(factors, multiplier, square_terms), finite
 
 
 def _gated(step_finite: jax.Array | None, scale: ScaleFactors) -> ScaleFactors:

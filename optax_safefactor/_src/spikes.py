@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks
+from optax_safefactor._src import checks, numerics
 
 # The standard deviation is at least this fraction of the mean's magnitude: over a nearly
 # constant history, with skip_spikes=6, no value within 12% of the mean is a spike.
@@ -201,16 +201,86 @@ class SpikeVerdict(NamedTuple):
   leaf_norm: jax.Array
 
 
-def judge(history: SpikeHistory, leaf_square_sums: list[jax.Array], loss: jax.Array | None,
+class SquareSource(NamedTuple):
+  """Where one leaf's :math:`\\sum |g|^2` is read from.
+
+  ``kind`` is ``"row_means"`` (a factored leaf's :math:`\\mathrm{mean}_C(|g|^2) +
+  \\epsilon`, each standing for ``columns`` elements), ``"elements"`` (the gradient
+  itself) or ``"sum"`` (the sum, already reduced).
+  """
+
+  kind: str
+  values: jax.Array
+  columns: int = 1
+
+
+def _squares(kind: str, values: jax.Array, columns: Any, eps: Any) -> jax.Array:
+  """The float32 terms whose sum is the leaf's :math:`\\sum |g|^2`."""
+  if kind == "elements":
+    values = values.astype(numerics.compute_dtype(values.dtype))
+    squares = (jnp.real(values) ** 2 + jnp.imag(values) ** 2 if jnp.iscomplexobj(values)
+               else values * values)
+    return squares.astype(jnp.float32)
+  if kind == "row_means":
+    return jnp.maximum(values.astype(jnp.float32) - jnp.asarray(eps, jnp.float32), 0) * columns
+  return values.astype(jnp.float32)
+
+
+def _explicitly_sharded(x: jax.Array) -> bool:
+  """Whether ``x`` is a tracer sharded over explicit mesh axes (Auto axes do not say)."""
+  if not isinstance(x, jax.core.Tracer):
+    return False
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return spec is not None and any(axis is not None for axis in spec)
+
+
+def _reduced(source: SquareSource, eps: Any) -> SquareSource:
+  return SquareSource("sum", jnp.sum(_squares(source.kind, source.values, source.columns, eps)))
+
+
+def sums_by_leaf(sources: list[SquareSource], eps: jax.typing.ArrayLike = 0.0) -> jax.Array:
+  """Per leaf, :math:`\\sum |g|^2` in float32, from ``sources`` (``eps``: what the row
+  means include).
+
+  The leaves' arrays are concatenated as they are, by kind and dtype, then turned into
+  squares and reduced once per group: a reduction (and its fusion) per leaf would cost
+  compile time for every leaf of the tree.
+
+  >>> sums_by_leaf([SquareSource("elements", jnp.array([1.0, 2.0])),
+  ...               SquareSource("row_means", jnp.array([[2.0], [3.0]]), columns=4),
+  ...               SquareSource("sum", jnp.array(7.0))])
+  Array([ 5., 20.,  7.], dtype=float32)
+  """
+  sums = jnp.zeros([len(sources)], jnp.float32)
+  # A leaf sharded over explicit mesh axes is reduced on its own (its sum is replicated):
+  # a concatenation with other leaves would mix shardings, which explicit axes refuse.
+  sources = [_reduced(source, eps) if _explicitly_sharded(source.values) else source
+             for source in sources]
+  groups: dict[tuple[str, Any], list[int]] = {}
+  for index, source in enumerate(sources):
+    groups.setdefault((source.kind, np.dtype(source.values.dtype)), []).append(index)
+  for (kind, _), members in groups.items():
+    values = [jnp.ravel(sources[i].values) for i in members]
+    sizes = [v.size for v in values]
+    flat = jnp.concatenate(values) if len(values) > 1 else values[0]
+    columns = np.repeat([sources[i].columns for i in members], sizes).astype(np.float32)
+    terms = _squares(kind, flat, columns, eps)
+    leaf_of_term = np.repeat(np.asarray(members), sizes)
+    sums = sums + jax.ops.segment_sum(terms, leaf_of_term, num_segments=len(sources),
+                                      indices_are_sorted=True)
+  return sums
+
+
+def judge(history: SpikeHistory, sums: jax.Array, loss: jax.Array | None,
           threshold: jax.typing.ArrayLike, step_finite: jax.Array) -> SpikeVerdict:
-  """The verdict on a step whose leaves' gradients have these sums of ``|g|**2``.
+  """The verdict on a step whose leaves' gradients have these sums of ``|g|**2`` (a 1-D
+  float32 array, one per leaf; :func:`sums_by_leaf`).
 
   ``step_finite`` is the non-finite guard's verdict: a non-finite step is skipped as such,
   never as a spike.
   """
   window = window_of(history)
-  sums = jnp.stack([jnp.asarray(s, jnp.float32) for s in leaf_square_sums]) if (
-      leaf_square_sums) else jnp.zeros([0], jnp.float32)
+  has_leaves = sums.shape[0] > 0
   gradient_norm = jnp.sqrt(jnp.sum(sums))
   loss = jnp.full([], jnp.nan, jnp.float32) if loss is None else loss
   filled = jnp.arange(window) < history.length
@@ -220,8 +290,8 @@ def judge(history: SpikeHistory, leaf_square_sums: list[jax.Array], loss: jax.Ar
   spike = step_finite & (by_norm.spike | by_loss.spike)
   within_bound = history.consecutive_spikes < window // 2
   on_loss = by_loss.spike & ~by_norm.spike
-  leaf = jnp.argmax(sums).astype(jnp.int32) if leaf_square_sums else jnp.full([], -1, jnp.int32)
-  leaf_norm = jnp.sqrt(jnp.max(sums)) if leaf_square_sums else jnp.full([], jnp.nan)
+  leaf = jnp.argmax(sums).astype(jnp.int32) if has_leaves else jnp.full([], -1, jnp.int32)
+  leaf_norm = jnp.sqrt(jnp.max(sums)) if has_leaves else jnp.full([], jnp.nan)
   return SpikeVerdict(
       skip=spike & within_bound,
       restart=spike & ~within_bound,

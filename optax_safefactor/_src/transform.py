@@ -177,8 +177,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite)) if guarded else None
     spike, applied = None, step_finite
     if guarded and hp.skip_spikes is not None:
-      square_sums = [scaling.square_sum for scaling in treedef_leaves(updates, scalings)]
-      spike = spikes.judge(state.spikes, square_sums,
+      terms = [scaling.square_terms for scaling in treedef_leaves(updates, scalings)]
+      spike = spikes.judge(state.spikes, spikes.sums_by_leaf(terms, hp.eps),
                            spikes.check_value(extra_args.get("value")), hp.skip_spikes,
                            step_finite)
       applied = xla_hints.computed_once([step_finite, ~spike.skip])
