@@ -281,6 +281,18 @@ def test_the_gradient_norm_is_read_off_the_statistics():
                              [_norm(g) for g in grads], rtol=2e-6)
 
 
+def test_a_jitted_step_may_donate_the_state():
+  # The fresh history's counters were one shared array: donating the state failed with
+  # "Attempt to donate the same buffer twice".
+  tx = SUBJECTS["safefactor"](skip_spikes=6.0, spike_window=16)
+  params = _params()
+  update = jax.jit(tx.update, donate_argnums=1)
+  state = tx.init(params)
+  for g in _grads(_scales(3, seed=19)):
+    _, state = update(g, state, params)
+  assert int(state.step) == 3 and int(state.spikes.length) == 3
+
+
 def test_checkpointed_history_resumes_bit_identically():
   grads = _grads(_scales(40, seed=14, spikes=[(30, 50.0)]))
   tx = SUBJECTS["safefactor"](skip_spikes=6.0, spike_window=16)

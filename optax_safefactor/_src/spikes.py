@@ -80,16 +80,25 @@ _STATISTICS = ("gradient_norms", "losses", "last_spike_value", "last_spike_limit
 
 
 def init_history(window: int) -> SpikeHistory:
-  """An empty history of ``window`` steps."""
-  zero = jnp.zeros([], jnp.int32)
-  none = jnp.full([], -1, jnp.int32)
-  nan = jnp.full([], jnp.nan, jnp.float32)
+  """An empty history of ``window`` steps.
+
+  Every field is an array of its own (never one array shared by several fields), so that
+  a jitted step may donate the state.
+  """
+
+  def counter(value):
+    return jnp.full([], value, jnp.int32)
+
+  def statistic():
+    return jnp.full([], jnp.nan, jnp.float32)
+
   return SpikeHistory(
       gradient_norms=jnp.zeros([window], jnp.float32),
       losses=jnp.full([window], jnp.nan, jnp.float32),
-      length=zero, position=zero, consecutive_spikes=zero, skipped_spikes=zero,
-      last_spike_step=none, last_spike_statistic=none, last_spike_value=nan,
-      last_spike_limit=nan, last_spike_leaf=none, last_spike_leaf_norm=nan,
+      length=counter(0), position=counter(0), consecutive_spikes=counter(0),
+      skipped_spikes=counter(0), last_spike_step=counter(-1), last_spike_statistic=counter(-1),
+      last_spike_value=statistic(), last_spike_limit=statistic(), last_spike_leaf=counter(-1),
+      last_spike_leaf_norm=statistic(),
   )
 
 
