@@ -362,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
       "--rounding-steps", type=int, default=ROUNDING_STEPS, metavar="N",
       help=f"steps of each write-back run: bfloat16 params at lr {ROUNDING_LEARNING_RATE:g} "
            "with safefactor's param_rounding nearest, stochastic and kahan, against float32 "
-           "params and optax.adafactor; 0 skips them. The default keeps the whole run near "
-           "two minutes on 2 CPU cores and already shows round-to-nearest stalling (its "
+           "params and optax.adafactor; 0 skips them. The default keeps these runs near "
+           "a minute on 2 CPU cores and already shows round-to-nearest stalling (its "
            "loss about 18%% above float32 params); 400 widens the gap and takes about "
            f"twice as long ({ROUNDING_STEPS})")
   parser.add_argument(
