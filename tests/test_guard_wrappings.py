@@ -6,6 +6,8 @@ Each guarded transformation below runs bare and wrapped over the same gradients,
 with poisoned steps; the skip counts and the params must be the same.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,11 +78,17 @@ def _finite_only(step):
   return grads
 
 
+@functools.cache
+def _bare_run(guarded, grads_for):
+  """The bare run, shared by the wrappers fed the same gradients: it does not depend on them."""
+  return _run(GUARDED[guarded](), grads_for=grads_for)
+
+
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 @pytest.mark.parametrize("guarded", sorted(GUARDED))
 def test_wrapping_skips_the_same_steps(guarded, wrapper):
   grads_for = _finite_only if wrapper.startswith("multi_steps") else _grads
-  bare_params, bare_state = _run(GUARDED[guarded](), grads_for=grads_for)
+  bare_params, bare_state = _bare_run(guarded, grads_for)
   with jax.numpy_dtype_promotion("standard"):  # optax's wrappers mix int and float
     params, state = _run(WRAPPERS[wrapper](GUARDED[guarded]()), grads_for=grads_for)
   expected_skips = len(OVERFLOW_STEPS) + (0 if grads_for is _finite_only else len(NAN_STEPS))

@@ -41,7 +41,7 @@ from optax_safefactor._src import bit_streams, numerics, xla_hints
 from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.placement import LeafPlacement
 from optax_safefactor._src.plan import FactorPlan
-from optax_safefactor._src.spikes import SquareSource
+from optax_safefactor._src.spikes import GRADIENT_KEPT_UP_TO, SquareSource
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
 from optax_safefactor._src.write_back import Rounding, is_narrow, store, write_back
 
@@ -163,12 +163,6 @@ def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
   return beta2 * old.astype(new_mean.dtype) + (1 - beta2) * new_mean
 
 
-# An unfactored leaf up to this size hands the spike rule its gradient itself (the rule
-# concatenates the leaves' and squares and reduces them once, which compiles faster than a
-# reduction per leaf); a larger one, its sum (a full-size copy would cost memory).
-GRADIENT_KEPT_UP_TO = 16384
-
-
 def update_second_moment(
     grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any,
     compute_dtype: Any, how: Rounding | None = None, *, with_square_terms: bool = False,
@@ -178,27 +172,24 @@ def update_second_moment(
   :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf; ``beta2`` is in
   the real compute dtype.
 
-  With ``with_square_terms``, also where the spike rule reads :math:`\sum |g|^2` from (a
-  :class:`spikes.SquareSource`): a factored leaf's row means (no pass over the gradient is
-  added); else ``None``."""
+  With ``with_square_terms``, also where the spike rule reads :math:`\sum |g|^2` from
+  (:class:`spikes.SquareSource`; for a factored leaf its row means), else ``None``."""
   ct = compute_dtype
   eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):
     squares = abs_sq(grad.astype(ct))
     blended = _blend(moment.v, squares + eps, beta2)
-    terms = None
-    if with_square_terms:
-      terms = (SquareSource("elements", grad) if grad.size <= GRADIENT_KEPT_UP_TO
-               else SquareSource("sum", jnp.sum(squares)))
+    terms = None if not with_square_terms else (
+        SquareSource("elements", grad) if grad.size <= GRADIENT_KEPT_UP_TO
+        else SquareSource("sum", jnp.sum(squares)))
     return FullMoment(*store((blended,), moment.v.dtype, how,
                              (bit_streams.STREAM_STATISTICS,))), terms
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
   row_mean = jnp.mean(abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
   col_mean = jnp.mean(abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
   blended = (_blend(moment.v_row, row_mean, beta2), _blend(moment.v_col, col_mean, beta2))
-  terms = None
-  if with_square_terms:
-    terms = SquareSource("row_means", row_mean, grad.size // max(row_mean.size, 1))
+  terms = (SquareSource("row_means", row_mean, grad.size // max(row_mean.size, 1))
+           if with_square_terms else None)
   return FactoredMoment(*store(
       blended, moment.v_row.dtype, how,
       (bit_streams.STREAM_STATISTICS, bit_streams.STREAM_COLUMN_STATISTICS))), terms

@@ -34,6 +34,10 @@ from optax_safefactor._src import checks, numerics
 # constant history, with skip_spikes=6, no value within 12% of the mean is a spike.
 RELATIVE_STD_FLOOR = 0.02
 
+# Up to this size an unfactored leaf hands the rule its gradient (concatenated and reduced
+# with the others'); a larger one its sum (a full-size copy would cost memory).
+GRADIENT_KEPT_UP_TO = 16384
+
 # The statistics a spike is judged on, as stored in ``SpikeHistory.last_spike_statistic``.
 GRADIENT_NORM, LOSS = 0, 1
 STATISTIC_NAMES = {GRADIENT_NORM: "gradient norm", LOSS: "loss"}
