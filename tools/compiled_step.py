@@ -105,6 +105,7 @@ def jaxpr_equations(tx, params) -> int:
 def times(repetitions: int) -> dict[str, dict[str, float]]:
   params = layered_tree(48, 256, jnp.float32)
   candidates = {"safefactor": osf.safefactor(1e-3),
+                "safefactor, unpacked": osf.safefactor(1e-3, pack_small_leaves=False),
                 "safefactor, spikes": osf.safefactor(1e-3, skip_spikes=6.0),
                 "optax.adafactor": optax.adafactor(1e-3)}
   rounds = {name: {"trace+lower": [], "compile": []} for name in candidates}
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
   for name, values in measured.items():
     print(f"{name}: trace+lower {values['trace+lower']:.2f} s, compile {values['compile']:.2f} s")
   theirs = measured["optax.adafactor"]
-  for name in ("safefactor", "safefactor, spikes"):
+  for name in ("safefactor", "safefactor, unpacked", "safefactor, spikes"):
     ours = measured[name]
     print(f"{name} / optax.adafactor: trace+lower "
           f"{ours['trace+lower'] / theirs['trace+lower']:.2f}x, "

@@ -42,6 +42,7 @@ def safefactor(
     rounding_seed: int = 0,
     skip_spikes: float | None = None,
     spike_window: int = 128,
+    pack_small_leaves: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adafactor that is safe in float16, bfloat16 and float32: a drop-in for ``optax.adafactor``.
 
@@ -138,6 +139,13 @@ def safefactor(
     spike_window: the steps of history the spike rule keeps (an int of at least 2). It
       sets the state's shape: under ``optax.inject_hyperparams`` pass it in
       ``static_args``.
+    pack_small_leaves: step the small unfactored leaves (biases, norm scales: up to
+      16,384 elements) that share a size, dtypes and settings as the rows of one array,
+      which compiles a tree of many leaves faster and steps it faster. Each leaf keeps its
+      own clipping, parameter scale, weight decay mask, rounding bits and skip flag; only
+      the order of a row's reductions can differ from the leaf's own (its last bits).
+      Leaves not known to be replicated (sharded, or under a mesh's Auto axes) are
+      stepped alone. ``False`` steps every leaf alone (for comparison and debugging).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.
@@ -176,6 +184,7 @@ def scale_by_safe_factored_rms(
     beta2_cap: jax.typing.ArrayLike | None = None,
     factor_rules: FactorRulesFn | None = None,
     skip_nonfinite_steps: bool = False,
+    pack_small_leaves: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Scale updates by a factored estimate of the gradient RMS, safely (as in Adafactor).
 
@@ -220,6 +229,7 @@ def scale_by_safe_factored_rms(
     factor_rules: per-axis roles, as for :func:`safefactor`.
     skip_nonfinite_steps: skip and count non-finite steps inside this transformation,
       as :func:`safefactor` does (off by default, as a building block).
+    pack_small_leaves: as for :func:`safefactor`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is an

@@ -249,3 +249,27 @@ def random_bits(
   return index_bits(key, index_lo, index_hi)
 
 
+
+
+def row_bits(seed: Any, step: Any, path_hashes: np.ndarray, shape: Sequence[int],
+             stream: Any) -> jax.Array:
+  """:func:`random_bits` of several flattened leaves stacked as the rows of ``shape``.
+
+  Row ``k`` holds the bits of a leaf with path hash ``path_hashes[k]`` and as many
+  elements as a row, indexed by their position in the row: the leaf's row-major flat
+  index. So a leaf's bits are the same whether it is stepped alone or packed with others
+  (``_src/packing.py``).
+
+  >>> hashes = np.array([path_hash("['a']"), path_hash("['b']")], np.uint32)
+  >>> rows = row_bits(0, 3, hashes, (2, 6), STREAM_PARAMS)
+  >>> alone = random_bits(0, 3, path_hash("['b']"), (2, 3), STREAM_PARAMS)
+  >>> bool(jnp.all(rows[1] == alone.reshape(-1)))
+  True
+  """
+  shape = tuple(int(size) for size in shape)
+  if len(shape) != 2 or shape[0] != len(path_hashes):
+    raise ValueError(f"row_bits needs one path hash per row of a 2-D shape, got "
+                     f"{len(path_hashes)} hashes for shape {shape}")
+  _check_axes(shape)
+  key = stream_key(seed, step, np.asarray(path_hashes, np.uint32)[:, None], stream)
+  return index_bits(key, jax.lax.broadcasted_iota(jnp.uint32, shape, 1), 0)

@@ -55,6 +55,7 @@ class Hyperparams(NamedTuple):
   checked: bool = False
   skip_spikes: jax.typing.ArrayLike | None = None
   spike_window: int = 128
+  pack_small_leaves: bool = True
 
   @property
   def needs_params(self) -> bool:
@@ -184,6 +185,9 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   checks.check_positive_int(hyperparams.max_consecutive_skips, "max_consecutive_skips",
                             none_ok=True)
   spikes.check_settings(hyperparams.skip_spikes, hyperparams.spike_window)
+  if not isinstance(hyperparams.pack_small_leaves, (bool, np.bool_)):
+    raise TypeError(f"pack_small_leaves must be True or False, got "
+                    f"{hyperparams.pack_small_leaves!r}")
   if hyperparams.skip_spikes is not None and not hyperparams.skip_nonfinite_steps:
     raise ValueError(
         "skip_spikes skips steps as the non-finite guard does and counts them in its state, "

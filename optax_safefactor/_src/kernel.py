@@ -35,12 +35,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optax_safefactor._src import bit_streams, numerics, xla_hints
 from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.placement import LeafPlacement
 from optax_safefactor._src.plan import FactorPlan
+from optax_safefactor._src.schedules import StepValues
 from optax_safefactor._src.spikes import GRADIENT_KEPT_UP_TO, SquareSource
 from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
 from optax_safefactor._src.write_back import Rounding, is_narrow, store, write_back
@@ -104,41 +104,6 @@ def mean_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> jax.Array:
   return jnp.mean(abs_sq(x), axes, keepdims=True)
 
 
-# Schedules -------------------------------------------------------------------------
-
-
-def power_decay(step: jax.Array, exponent: jax.typing.ArrayLike, dtype: Any) -> jax.Array:
-  """Adafactor's second-moment decay :math:`1 - (t + 1)^{-c}`, in ``dtype``."""
-  t = jnp.asarray(step, dtype) + jnp.asarray(1, dtype)
-  return 1 - t ** (-jnp.asarray(exponent, dtype))
-
-
-def second_moment_decay(
-    count: jax.Array,
-    dtype: Any,
-    *,
-    decay_rate: jax.typing.ArrayLike,
-    decay_offset: jax.typing.ArrayLike,
-    decay_rate_fn: Any,
-    beta2_cap: jax.typing.ArrayLike | None,
-) -> jax.Array:
-  r""":math:`\beta_t = \min(\mathrm{decay}(\max(t - t_0, 0)), \beta_{\max})` in ``dtype``.
-
-  The local step :math:`t - t_0` is clamped at 0: with a large offset the power
-  schedule would otherwise raise a negative base to a fractional power (NaN).
-  """
-  local_step = jnp.maximum(
-      jnp.asarray(count, jnp.int32) - jnp.asarray(decay_offset, jnp.int32), 0
-  )
-  if decay_rate_fn is None:
-    beta2 = power_decay(local_step, decay_rate, dtype)
-  else:
-    beta2 = jnp.asarray(decay_rate_fn(local_step, decay_rate), dtype)
-  if beta2_cap is not None:
-    beta2 = jnp.minimum(beta2, jnp.asarray(beta2_cap, dtype))
-  return beta2
-
-
 # Second moment ---------------------------------------------------------------------
 
 
@@ -166,6 +131,7 @@ def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
 def update_second_moment(
     grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any,
     compute_dtype: Any, how: Rounding | None = None, *, with_square_terms: bool = False,
+    rows_are_leaves: bool = False,
 ) -> tuple[Moment, jax.Array | None]:
   r"""The new statistics: :math:`r_t = \beta r + (1-\beta)\,\mathrm{mean}_C(|g|^2+\epsilon)`,
   :math:`c_t = \beta c + (1-\beta)\,\mathrm{mean}_R(|g|^2+\epsilon)` (keepdims), or
@@ -173,15 +139,19 @@ def update_second_moment(
   the real compute dtype.
 
   With ``with_square_terms``, also where the spike rule reads :math:`\sum |g|^2` from
-  (:class:`spikes.SquareSource`; for a factored leaf its row means), else ``None``."""
+  (:class:`spikes.SquareSource`; for a factored leaf its row means; for unfactored leaves
+  packed as rows, ``rows_are_leaves``, each row's sum), else ``None``."""
   ct = compute_dtype
   eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):
     squares = abs_sq(grad.astype(ct))
     blended = _blend(moment.v, squares + eps, beta2)
-    terms = None if not with_square_terms else (
-        SquareSource("elements", grad) if grad.size <= GRADIENT_KEPT_UP_TO
-        else SquareSource("sum", jnp.sum(squares)))
+    terms = None
+    if with_square_terms and rows_are_leaves:
+      terms = SquareSource("sum", jnp.sum(squares, axis=tuple(range(1, squares.ndim))))
+    elif with_square_terms:
+      terms = (SquareSource("elements", grad) if grad.size <= GRADIENT_KEPT_UP_TO
+               else SquareSource("sum", jnp.sum(squares)))
     return FullMoment(*store((blended,), moment.v.dtype, how,
                              (bit_streams.STREAM_STATISTICS,))), terms
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
@@ -214,7 +184,8 @@ class ScaleFactors(NamedTuple):
 
 
 def scale_factors(
-    moment: Moment, plan: FactorPlan, floor: jax.Array, cap: jax.Array, *, poison: bool
+    moment: Moment, plan: FactorPlan, floor: jax.Array, cap: jax.Array, *, poison: bool,
+    per_row: bool = False,
 ) -> tuple[ScaleFactors, jax.Array]:
   r"""The factors of :math:`1/\sqrt{\hat v}`, :math:`\hat v = r\,c/\mathrm{mean}_R(r)`.
 
@@ -226,7 +197,8 @@ def scale_factors(
   Returns:
     ``(factors, finite)``: ``finite`` is a scalar bool, True when the statistics are
     finite; with ``poison`` it is always True and the factors carry NaN instead, for
-    a reduction that the caller checks anyway.
+    a reduction that the caller checks anyway. With ``per_row`` (unfactored leaves
+    packed as rows), one bool per row.
   """
   stat_dtype = floor.dtype
   if isinstance(moment, FullMoment):
@@ -234,7 +206,7 @@ def scale_factors(
     factor = jax.lax.rsqrt(jnp.maximum(stored, floor))
     if poison:
       return ScaleFactors((factor,), None, xla_hints.nan_unless_finite(stored)), jnp.array(True)
-    return ScaleFactors((factor,), None, None), numerics.all_finite(moment.v)
+    return ScaleFactors((factor,), None, None), numerics.all_finite(moment.v, per_row=per_row)
   row = jnp.maximum(moment.v_row.astype(stat_dtype), floor)
   col = jnp.maximum(moment.v_col.astype(stat_dtype), floor)
   normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
@@ -315,42 +287,6 @@ def decoupled_weight_decay(
 # The two halves of a leaf's step -----------------------------------------------------
 
 
-class StepValues(NamedTuple):
-  """This step's values of the scheduled hyperparameters, worked out once per step.
-
-  Attributes:
-    beta2: the second-moment decay, by real compute dtype (float32, float64).
-    learning_rate: this step's learning rate, or ``None`` when there is none.
-    weight_decay_rate: this step's weight-decay rate, or ``None`` when off.
-  """
-
-  beta2: dict[np.dtype, jax.Array]
-  learning_rate: Any | None
-  weight_decay_rate: Any | None
-
-
-def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
-  """A hyperparameter's value at ``count``: a schedule is called, a number is kept."""
-  return value(count) if callable(value) else value
-
-
-def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -> StepValues:
-  """This step's scheduled values, each schedule called once for the whole tree."""
-  beta2 = {
-      dtype: second_moment_decay(
-          count, dtype, decay_rate=hp.decay_rate, decay_offset=hp.decay_offset,
-          decay_rate_fn=hp.decay_rate_fn, beta2_cap=hp.beta2_cap,
-      )
-      for dtype in sorted(real_dtypes, key=str)
-  }
-  return StepValues(
-      beta2=beta2,
-      learning_rate=None if hp.learning_rate is None else _value_at(hp.learning_rate, count),
-      weight_decay_rate=(None if hp.weight_decay_rate is None
-                         else _value_at(hp.weight_decay_rate, count)),
-  )
-
-
 class Leaf(NamedTuple):
   """What one leaf's step needs besides its arrays, worked out once per leaf per trace.
 
@@ -364,6 +300,9 @@ class Leaf(NamedTuple):
     decay_mask: where it applies: True (everywhere) or an array of bools.
     rounding: how its wide values are written into narrow params and state, or ``None``
       for round to nearest.
+    rows_are_leaves: the arrays are unfactored leaves packed as rows (``_src/packing.py``;
+      the plan's batch axis is the row axis): the finite flag and the spike rule's sums
+      are then one per row.
   """
 
   plan: FactorPlan
@@ -374,6 +313,7 @@ class Leaf(NamedTuple):
   decays: bool
   decay_mask: Any
   rounding: Rounding | None
+  rows_are_leaves: bool = False
 
 
 class LeafScaling(NamedTuple):
@@ -403,18 +343,20 @@ def leaf_scaling(
     ``(new_moment, scaling, finite)``. ``finite`` is a scalar bool, True exactly when
     the new statistics, the multiplier and therefore the update are finite: the
     scaled gradient is at most ``|grad| / sqrt(floor)``, and ``|grad|**2`` is part of
-    the statistics.
+    the statistics. For leaves packed as rows (``leaf.rows_are_leaves``), one per row.
   """
   ct, real_ct, plan = leaf.compute_dtype, leaf.real_dtype, leaf.plan
+  per_row = leaf.rows_are_leaves
   clipping = hp.clipping_threshold is not None
   decays = leaf.decays
   # A rounding write-back lands the update on a narrow param: it reads the param.
   reads_param_on_write_back = leaf.rounding is not None and is_narrow(param.dtype)
   new_moment, square_terms = update_second_moment(
       grad, moment, plan, step.beta2[real_ct], hp.eps, ct, leaf.rounding,
-      with_square_terms=hp.skip_spikes is not None)
+      with_square_terms=hp.skip_spikes is not None, rows_are_leaves=per_row)
   # With clipping, the statistics' finiteness rides on the clipping reduction.
-  factors, finite = scale_factors(new_moment, plan, leaf.floor, leaf.cap, poison=clipping)
+  factors, finite = scale_factors(new_moment, plan, leaf.floor, leaf.cap, poison=clipping,
+                                  per_row=per_row)
   multiplier = None
   # The reductions whose finiteness the skip also reads, checked together at the end.
   checked = []
@@ -448,10 +390,12 @@ def leaf_scaling(
   # written out in full instead, and all(isfinite) is the cheaper (measured temporaries).
   for state in (momentum, compensation):
     if state is not None:
-      finite &= (xla_hints.finite_by_sum(state) if np.dtype(state.dtype) == ct
-                 else numerics.all_finite(state))
+      finite &= (xla_hints.finite_by_sum(state, per_row) if np.dtype(state.dtype) == ct
+                 else numerics.all_finite(state, per_row=per_row))
   if checked:
-    finite &= numerics.all_finite(*checked)
+    finite &= numerics.all_finite(*checked, per_row=per_row)
+  if per_row:
+    finite = jnp.broadcast_to(finite, grad.shape[:1])
   return new_moment, LeafScaling(factors, multiplier, square_terms), finite
 
 

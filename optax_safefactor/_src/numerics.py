@@ -94,16 +94,22 @@ def leaf_numbers(dtype: DTypeLike, epsilon: jax.typing.ArrayLike) -> LeafNumbers
   return LeafNumbers(compute, real, positive_floor(epsilon, real), cap)
 
 
-def all_finite(*xs: jax.Array) -> jax.Array:
+def all_finite(*xs: jax.Array, per_row: bool = False) -> jax.Array:
   """Scalar bool: every element of every ``x`` is finite (True for empty arrays).
+
+  With ``per_row``, one bool per index of the leading axis, which every ``x`` shares
+  (leaves packed as rows: ``_src/packing.py``).
 
   >>> bool(all_finite(jnp.ones(3), jnp.array([1.0, jnp.nan])))
   False
+  >>> all_finite(jnp.array([[1.0, 2.0], [jnp.inf, 0.0]]), per_row=True).tolist()
+  [True, False]
   """
   flags = [
       # A reduction of per-element bools: a max would do in IEEE arithmetic, but XLA's
       # CPU backend computes min/max without propagating NaN.
-      jnp.all(jnp.isfinite(x)) for x in xs if x.size
+      jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)) if per_row else None)
+      for x in xs if x.size
   ]
   if not flags:
     return jnp.array(True)

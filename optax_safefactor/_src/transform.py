@@ -22,7 +22,9 @@ from optax_safefactor._src import (
   guard,
   kernel,
   numerics,
+  packing,
   placement,
+  schedules,
   spikes,
   trees,
   write_back,
@@ -164,33 +166,58 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     real_dtypes = set()
     for numbers in numbers_by_dtype.values():
       real_dtypes.add(numbers.real)
-    step = kernel.step_values(hp, inner.count, real_dtypes)
+    step = schedules.step_values(hp, inner.count, real_dtypes)
     params_tree = none_tree if params is None else params
     # Every tree below is read up to the structure of ``updates``: a per-leaf value
     # (a moment, a Leaf) arrives whole.
     momentum_tree = none_tree if hp.momentum is None else inner.momentum
     compensation_tree = none_tree if inner.compensation is None else inner.compensation
-    first_half = jax.tree.map(partial(kernel.leaf_scaling, hp, step), updates, leaves,
-                              inner.second_moment, params_tree, momentum_tree,
-                              compensation_tree)
-    new_second, scalings, leaf_finite = unzip_leaf_results(updates, first_half, 3)
-    step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite)) if guarded else None
+    # The leaves, then the units the kernel steps: a leaf alone, or small leaves packed.
+    columns = [treedef_leaves(updates, tree) for tree in (
+        updates, leaves, inner.second_moment, params_tree, momentum_tree, compensation_tree)]
+    units = packing.units(*columns, enabled=hp.pack_small_leaves)
+    inputs = [[packing.gather(unit, column) for column in columns] for unit in units]
+    first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]
+    leaf_count = len(columns[0])
+
+    def per_leaf(values_by_unit, split):
+      flat = [None] * leaf_count
+      for unit, value in zip(units, values_by_unit, strict=True):
+        for index, member in zip(unit.group.members, split(unit, value), strict=True):
+          flat[index] = member
+      return flat
+
+    unit_finite = [finite for _, _, finite in first_half]
+    leaf_finite = jax.tree.unflatten(jax.tree.structure(updates),
+                                     per_leaf(unit_finite, packing.rows))
+    step_finite = xla_hints.computed_once(unit_finite) if guarded else None
     spike, applied = None, step_finite
     if guarded and hp.skip_spikes is not None:
-      terms = [scaling.square_terms for scaling in treedef_leaves(updates, scalings)]
+      terms = per_leaf([scaling.square_terms for _, scaling, _ in first_half],
+                       lambda unit, terms: [
+                           terms if not unit.packed else spikes.SquareSource("sum", value)
+                           for value in packing.rows(unit, terms.values)])
       spike = spikes.judge(state.spikes, spikes.sums_by_leaf(terms, hp.eps),
                            spikes.check_value(extra_args.get("value")), hp.skip_spikes,
                            step_finite)
       applied = xla_hints.computed_once([step_finite, ~spike.skip])
 
-    second_half = jax.tree.map(
-        partial(kernel.leaf_update, hp, step, applied), updates, leaves, scalings,
-        momentum_tree, params_tree, compensation_tree,
-    )
-    new_updates, new_first, new_compensation = unzip_leaf_results(updates, second_half, 3)
+    second_half = [
+        kernel.leaf_update(hp, step, applied, grad, leaf, scaling, momentum, param, compensation)
+        for (grad, leaf, _, param, momentum, compensation), (_, scaling, _)
+        in zip(inputs, first_half, strict=True)]
+    kept_second = [jax.tree.map(partial(keep_unless_skipped, applied), new, unit_inputs[2])
+                   for (new, _, _), unit_inputs in zip(first_half, inputs, strict=True)]
+
+    def tree_of(values_by_unit):
+      return jax.tree.unflatten(jax.tree.structure(updates),
+                                per_leaf(values_by_unit, packing.scatter))
+
+    new_updates, new_first, new_compensation = [
+        tree_of([outputs[k] for outputs in second_half]) for k in range(3)]
     new_inner = AdafactorState(
         keep_unless_skipped(applied, optax.safe_increment(inner.count), inner.count),
-        jax.tree.map(partial(keep_unless_skipped, applied), new_second, inner.second_moment),
+        tree_of(kept_second),
         new_first if hp.momentum is not None else None,
         new_compensation if inner.compensation is not None else None,
     )

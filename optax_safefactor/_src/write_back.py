@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from optax_safefactor._src import bit_streams, numerics
 from optax_safefactor._src.rounding import (
@@ -82,15 +83,18 @@ class Rounding(NamedTuple):
     step: the applied-step count: a skipped step does not advance it, so it
       consumes no bits.
     path_hash: the leaf's stable path hash; with the element's global index and a
-      stream it picks each element's bits.
+      stream it picks each element's bits. For leaves packed as the rows of one array,
+      a uint32 array of their hashes, one per row.
   """
 
   stochastic: bool
   seed: Any
   step: jax.Array
-  path_hash: int
+  path_hash: Any
 
   def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
+    if isinstance(self.path_hash, np.ndarray):
+      return bit_streams.row_bits(self.seed, self.step, self.path_hash, shape, stream)
     return bit_streams.random_bits(self.seed, self.step, self.path_hash, shape, stream)
 
 

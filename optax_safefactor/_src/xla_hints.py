@@ -40,7 +40,8 @@ def fresh_read(value: T) -> T:
 
 
 def computed_once(bools: list[jax.Array]) -> jax.Array:
-  """All of ``bools``, as one scalar that XLA computes once rather than per consumer.
+  """All of ``bools`` (scalars, or arrays of flags: one per packed leaf), as one scalar
+  that XLA computes once rather than per consumer.
 
   Every leaf's output reads the step's skip flag. A plain ``and`` of the leaves'
   flags is cheap enough that XLA copies the whole chain into each leaf's fused
@@ -52,7 +53,12 @@ def computed_once(bools: list[jax.Array]) -> jax.Array:
   """
   if not bools:
     return jnp.array(True)
-  bad = jnp.sum(jnp.stack([jnp.where(b, 0.0, 1.0) for b in bools]).astype(jnp.float32))
+  counts = [jnp.where(b, 0.0, 1.0) for b in bools]
+  if all(count.ndim == 0 for count in counts):
+    counts = jnp.stack(counts)
+  else:  # leaves packed as rows bring one flag per row
+    counts = jnp.concatenate([jnp.ravel(count) for count in counts])
+  bad = jnp.sum(counts.astype(jnp.float32))
   return jnp.exp(-bad) > 0.5
 
 
@@ -92,8 +98,9 @@ def nan_unless_finite(*xs: jax.Array) -> jax.Array:
   return poison
 
 
-def finite_by_sum(x: jax.Array) -> jax.Array:
-  """Scalar bool: every element of ``x`` is finite, as one fused float reduction.
+def finite_by_sum(x: jax.Array, per_row: bool = False) -> jax.Array:
+  """Scalar bool: every element of ``x`` is finite, as one fused float reduction
+  (with ``per_row``, one bool per index of the leading axis).
 
   ``sum(x - x)`` is 0 when every element is finite and NaN otherwise (``x - x`` is NaN
   for NaN and Inf, and a sum of zeros cannot overflow). XLA fuses it into the pass that
@@ -107,4 +114,5 @@ def finite_by_sum(x: jax.Array) -> jax.Array:
   >>> bool(finite_by_sum(jnp.array([1.0, 2.0]))), bool(finite_by_sum(jnp.array([1.0, jnp.inf])))
   (True, False)
   """
-  return jnp.isfinite(jnp.sum(nan_unless_finite(x)))
+  return jnp.isfinite(jnp.sum(nan_unless_finite(x),
+                              axis=tuple(range(1, x.ndim)) if per_row else None))

@@ -1,0 +1,206 @@
+"""Small unfactored leaves packed as the rows of one array, and stepped once.
+
+A transformer's tree is half small vectors (biases, norm scales). Stepped one by one,
+each costs the compiler as much as a weight matrix (its own fusions, reductions and
+flags) while moving almost no bytes. Leaves that can share one step (unfactored, no
+batch axes, the same size, dtypes and settings, and on one device or replicated) are
+flattened and stacked as the rows of a ``(leaves, size)`` array per group, stepped once
+with the row as the batch axis, and split back. Each row keeps its leaf's semantics: the
+clipping and the parameter scale are reduced per row, as they are per leaf; the weight
+decay mask and the finite flag are per row; the random rounding bits are keyed by each
+row's own path hash and by the element's index in its leaf (``bit_streams.row_bits``),
+so they are the bits the leaf draws alone.
+
+Only the order of a reduction can change a result: a row's sum may round differently
+from the leaf's own, by at most ``n`` units in the last place of the sum for a leaf of
+``n`` elements (the float summation bound, in either order).
+
+Packing is invisible from outside: the state keeps its per-leaf tree, its arrays are
+packed and unpacked inside the step like the params. A leaf whose placement is not known
+to be replicated (sharded over mesh axes, or on a mesh whose Auto axes do not say) is
+left to its own step: a concatenation along a sharded axis would be a reshard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_safefactor._src import kernel
+from optax_safefactor._src.plan import FactorPlan
+from optax_safefactor._src.write_back import Rounding
+
+#: Leaves of at most this many elements are packed. Measured on the 2-core CPU (see
+#: docs/benchmarks.md, "Packing"): the per-leaf cost the packing saves is fixed, the
+#: copies into and out of the packed array grow with the leaf.
+PACKED_UP_TO = 16384
+
+#: At most this many leaves are packed into one array. Each leaf's part of a packed result
+#: is split out by a slice of its own, and XLA compiles a kernel per distinct slice: a slice
+#: of row 3 of one group is the same kernel as row 3 of another group of that shape, so
+#: groups of a few rows keep the distinct kernels few. Measured on the 600-leaf tree
+#: (docs/benchmarks.md, "Packing"): 4 rows compile fastest; 8 and 64 step slightly faster
+#: on the CPU but compile slower.
+ROWS_PER_GROUP = 4
+
+# The packed array's rows are its leaves: the row axis is a batch axis, so every
+# reduction of the step (clipping, parameter scale) is per row.
+ROWS_PLAN = FactorPlan(row_axes=(), col_axes=(), batch_axes=(0,))
+
+
+class Group(NamedTuple):
+  """Leaves stepped together: their positions in the tree's leaf order, and shapes."""
+
+  members: tuple[int, ...]
+  shapes: tuple[tuple[int, ...], ...]
+
+
+def _mesh_is_trivial(mesh: Any) -> bool:
+  sizes = getattr(mesh, "axis_sizes", None)
+  return not sizes or math.prod(sizes) == 1
+
+
+def _auto_axes(mesh: Any) -> bool:
+  types = getattr(mesh, "axis_types", ()) or ()
+  return any("Explicit" not in str(axis_type) for axis_type in types)
+
+
+def is_replicated(x: Any) -> bool:
+  """Whether ``x`` is known to be whole on every device (or on one device).
+
+  A concrete array says so itself. A traced one says so when its type's mesh is trivial
+  or its axes are Explicit with no axis in its spec; under Auto axes of a real mesh (its
+  own, or the context's) a tracer's spec says nothing, so it is not known.
+  """
+  if x is None:
+    return True
+  if not isinstance(x, jax.core.Tracer):
+    sharding = getattr(x, "sharding", None)
+    return sharding is None or bool(sharding.is_fully_replicated)
+  context = jax.sharding.get_abstract_mesh()
+  if not _mesh_is_trivial(context) and _auto_axes(context):
+    return False
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  if sharding is None:
+    return _mesh_is_trivial(context)
+  if any(axis is not None for axis in sharding.spec):
+    return False
+  return _mesh_is_trivial(sharding.mesh) or not _auto_axes(sharding.mesh)
+
+
+def _dtype(x: Any) -> Any:
+  return None if x is None else np.dtype(x.dtype)
+
+
+def _key(grad: Any, leaf: kernel.Leaf, moment: Any, param: Any, momentum: Any,
+         compensation: Any) -> tuple | None:
+  """What leaves must share to be packed together; ``None`` when this one is not packed."""
+  if not isinstance(moment, kernel.FullMoment) or leaf.plan.batch_axes:
+    return None
+  if not 0 < grad.size <= PACKED_UP_TO or not jnp.issubdtype(grad.dtype, jnp.floating):
+    return None
+  if not all(is_replicated(x) for x in (grad, param, moment.v, momentum, compensation)):
+    return None
+  mask_is_array = leaf.decays and leaf.decay_mask is not True
+  return (grad.size, _dtype(grad), _dtype(param), _dtype(moment.v), _dtype(momentum),
+          _dtype(compensation), np.dtype(leaf.compute_dtype), leaf.decays, mask_is_array,
+          leaf.rounding is None)
+
+
+def find_groups(grads: list, leaves: list, moments: list, params: list, momenta: list,
+                compensations: list) -> list[Group]:
+  """The groups of two or more leaves that are stepped together, in leaf order."""
+  by_key: dict[tuple, list[int]] = {}
+  for index, parts in enumerate(zip(grads, leaves, moments, params, momenta, compensations,
+                                    strict=True)):
+    key = _key(*parts)
+    if key is not None:
+      by_key.setdefault(key, []).append(index)
+  groups = []
+  for members in by_key.values():
+    for start in range(0, len(members), ROWS_PER_GROUP):
+      chunk = members[start:start + ROWS_PER_GROUP]
+      if len(chunk) > 1:
+        groups.append(Group(tuple(chunk), tuple([tuple(grads[i].shape) for i in chunk])))
+  return groups
+
+
+def pack(group: Group, arrays: list) -> Any:
+  """The group's arrays, flattened and stacked as rows (``None`` when they are ``None``)."""
+  parts = [arrays[i] for i in group.members]
+  if parts[0] is None:
+    return None
+  return jnp.stack([jnp.ravel(x) for x in parts])
+
+
+def unpack(group: Group, packed: Any) -> list:
+  """The rows of ``packed`` back in their leaves' shapes (``None`` for ``None``)."""
+  if packed is None:
+    return [None] * len(group.members)
+  return [packed[row].reshape(shape) for row, shape in enumerate(group.shapes)]
+
+
+def packed_leaf(group: Group, leaves: list[kernel.Leaf]) -> kernel.Leaf:
+  """The :class:`kernel.Leaf` of the packed array: the members' settings, per row."""
+  members = [leaves[i] for i in group.members]
+  first = members[0]
+  decay_mask = first.decay_mask
+  if first.decays and decay_mask is not True:
+    decay_mask = jnp.stack([jnp.ravel(jnp.broadcast_to(leaf.decay_mask, shape))
+                            for leaf, shape in zip(members, group.shapes, strict=True)])
+  rounding = first.rounding
+  if rounding is not None:
+    hashes = np.asarray([leaf.rounding.path_hash for leaf in members], np.uint32)
+    rounding = Rounding(rounding.stochastic, rounding.seed, rounding.step, hashes)
+  return first._replace(plan=ROWS_PLAN, decay_mask=decay_mask, rounding=rounding,
+                        rows_are_leaves=True)
+
+
+class Unit(NamedTuple):
+  """What one call of the kernel steps: one leaf, or a group of leaves packed as rows."""
+
+  group: Group
+  packed: bool
+
+
+def units(grads: list, leaves: list, moments: list, params: list, momenta: list,
+          compensations: list, *, enabled: bool) -> list[Unit]:
+  """Every leaf in one unit: the packed groups first, then the other leaves one by one."""
+  groups = (find_groups(grads, leaves, moments, params, momenta, compensations)
+            if enabled else [])
+  packed = {index for group in groups for index in group.members}
+  return [Unit(group, True) for group in groups] + [
+      Unit(Group((index,), (tuple(grad.shape),)), False)
+      for index, grad in enumerate(grads) if index not in packed]
+
+
+def gather(unit: Unit, column: list) -> Any:
+  """The unit's value of a per-leaf ``column``: the leaf's own, or the group's rows."""
+  if not unit.packed:
+    return column[unit.group.members[0]]
+  first = column[unit.group.members[0]]
+  if isinstance(first, kernel.FullMoment):
+    return kernel.FullMoment(pack(unit.group, {i: column[i].v for i in unit.group.members}))
+  if isinstance(first, kernel.Leaf):
+    return packed_leaf(unit.group, column)
+  return pack(unit.group, column)
+
+
+def scatter(unit: Unit, value: Any) -> list:
+  """The per-leaf values of a unit's result, in its members' order."""
+  if not unit.packed:
+    return [value]
+  if isinstance(value, kernel.FullMoment):
+    return [kernel.FullMoment(v) for v in unpack(unit.group, value.v)]
+  return unpack(unit.group, value)
+
+
+def rows(unit: Unit, value: jax.Array) -> list:
+  """A per-row value (a flag, a sum) as one scalar per member."""
+  if not unit.packed:
+    return [value]
+  return [value[row] for row in range(len(unit.group.members))]

@@ -1,0 +1,85 @@
+"""This step's values of the scheduled hyperparameters: beta2, the learning rate, weight decay.
+
+Worked out once per step for the whole tree (``step_values``), by real compute dtype for
+beta2; the kernel reads them from :class:`StepValues`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_safefactor._src.hyperparams import Hyperparams
+
+
+def power_decay(step: jax.Array, exponent: jax.typing.ArrayLike, dtype: Any) -> jax.Array:
+  """Adafactor's second-moment decay :math:`1 - (t + 1)^{-c}`, in ``dtype``."""
+  t = jnp.asarray(step, dtype) + jnp.asarray(1, dtype)
+  return 1 - t ** (-jnp.asarray(exponent, dtype))
+
+
+def second_moment_decay(
+    count: jax.Array,
+    dtype: Any,
+    *,
+    decay_rate: jax.typing.ArrayLike,
+    decay_offset: jax.typing.ArrayLike,
+    decay_rate_fn: Any,
+    beta2_cap: jax.typing.ArrayLike | None,
+) -> jax.Array:
+  r""":math:`\beta_t = \min(\mathrm{decay}(\max(t - t_0, 0)), \beta_{\max})` in ``dtype``.
+
+  The local step :math:`t - t_0` is clamped at 0: with a large offset the power
+  schedule would otherwise raise a negative base to a fractional power (NaN).
+  """
+  local_step = jnp.maximum(
+      jnp.asarray(count, jnp.int32) - jnp.asarray(decay_offset, jnp.int32), 0
+  )
+  if decay_rate_fn is None:
+    beta2 = power_decay(local_step, decay_rate, dtype)
+  else:
+    beta2 = jnp.asarray(decay_rate_fn(local_step, decay_rate), dtype)
+  if beta2_cap is not None:
+    beta2 = jnp.minimum(beta2, jnp.asarray(beta2_cap, dtype))
+  return beta2
+
+
+
+class StepValues(NamedTuple):
+  """This step's values of the scheduled hyperparameters, worked out once per step.
+
+  Attributes:
+    beta2: the second-moment decay, by real compute dtype (float32, float64).
+    learning_rate: this step's learning rate, or ``None`` when there is none.
+    weight_decay_rate: this step's weight-decay rate, or ``None`` when off.
+  """
+
+  beta2: dict[np.dtype, jax.Array]
+  learning_rate: Any | None
+  weight_decay_rate: Any | None
+
+
+def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
+  """A hyperparameter's value at ``count``: a schedule is called, a number is kept."""
+  return value(count) if callable(value) else value
+
+
+def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -> StepValues:
+  """This step's scheduled values, each schedule called once for the whole tree."""
+  beta2 = {
+      dtype: second_moment_decay(
+          count, dtype, decay_rate=hp.decay_rate, decay_offset=hp.decay_offset,
+          decay_rate_fn=hp.decay_rate_fn, beta2_cap=hp.beta2_cap,
+      )
+      for dtype in sorted(real_dtypes, key=str)
+  }
+  return StepValues(
+      beta2=beta2,
+      learning_rate=None if hp.learning_rate is None else _value_at(hp.learning_rate, count),
+      weight_decay_rate=(None if hp.weight_decay_rate is None
+                         else _value_at(hp.weight_decay_rate, count)),
+  )
