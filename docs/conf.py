@@ -36,7 +36,7 @@ nitpick_ignore = [
     ("py:class", "FactorRulesFn"),
     ("py:class", "DecayRateFn"),
     ("py:class", "EveryK"),
-    ("py:class", "counters.MicroBatchCounters"),
+    ("py:class", "optax_safefactor._src.counters.MicroBatchCounters"),
     # optax documents no page for its ScalarOrSchedule alias (a float or a schedule).
     ("py:class", "optax.ScalarOrSchedule"),
 ]
@@ -93,5 +93,26 @@ def _copy_notebooks(app) -> None:
       shutil.copyfile(source, target)
 
 
+# Autodoc writes a type hint by the module that defines it, which for these is private; each
+# is looked up by its public name instead.
+PUBLIC_NAMES = {
+    "jax.jaxlib._jax.Array": "jax.Array",
+    "jax._src.mesh.Mesh": "jax.sharding.Mesh",
+    "optax._src.base.GradientTransformation": "optax.GradientTransformation",
+    "optax._src.base.GradientTransformationExtraArgs": "optax.GradientTransformationExtraArgs",
+}
+
+
+def _resolve_public_name(app, env, node, contnode):
+  public = PUBLIC_NAMES.get(node.get("reftarget"))
+  if public is None:
+    return None
+  from sphinx.ext import intersphinx
+
+  node["reftarget"] = public
+  return intersphinx.missing_reference(app, env, node, contnode)
+
+
 def setup(app):
   app.connect("builder-inited", _copy_notebooks)
+  app.connect("missing-reference", _resolve_public_name)

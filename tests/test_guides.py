@@ -5,8 +5,8 @@ fresh interpreter per page, with JAX on the CPU (a page that needs a mesh gives 
 CPU devices in its first block); a block that must not run is written ```{code-block}
 python. A ```text block that directly follows a ```python block is that block's output, as
 the reader sees it: it must match what the block prints (doctest's rules: ``...`` matches
-anything, runs of whitespace are one), and a block that prints must be followed by one. The pages are found by glob, so a new one is run
-without an edit here.
+anything, runs of whitespace are one), and a block that prints must be followed by one.
+The pages are found by glob, so a new one is run without an edit here.
 """
 
 import doctest

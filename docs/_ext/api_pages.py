@@ -13,9 +13,6 @@ import inspect
 import pathlib
 import types
 
-from docutils.statemachine import StringList
-from sphinx.ext.autosummary import Autosummary
-
 PACKAGE = "optax_safefactor"
 
 
@@ -43,21 +40,20 @@ def _directive(obj: object) -> str:
 def page(package: types.ModuleType, name: str) -> str:
   """The MyST source of the page of ``package.name``."""
   obj = getattr(package, name)
-  qualified = f"{package.__name__}.{name}"
+  # Autodoc's output is reStructuredText (the docstrings are), so the directives go in an
+  # eval-rst block: inside MyST they would be parsed as Markdown.
   if isinstance(obj, types.ModuleType):
     functions = module_functions(obj)
-    lines = [f"# {name}", "", f"```{{automodule}} {obj.__name__}", "```", "",
-             f"```{{eval-rst}}", f".. currentmodule:: {obj.__name__}", "",
-             ".. autosummary::", ""]
+    lines = [f"# {name}", "", "```{eval-rst}", f".. automodule:: {obj.__name__}", "",
+             f".. currentmodule:: {obj.__name__}", "", ".. autosummary::", ""]
     lines += [f"   {function}" for function in functions]
-    lines += ["```", ""]
-    for function in functions:
-      lines += [f"```{{autofunction}} {obj.__name__}.{function}", "```", ""]
-    return "\n".join(lines)
+    lines.append("")
+    lines += [f".. autofunction:: {function}" for function in functions]
+    return "\n".join([*lines, "```", ""])
   # A NamedTuple's fields are described by its docstring's Attributes section; listing
   # them as members too would document each twice ("Alias for field number 0").
-  return "\n".join([f"# {name}", "", f"```{{currentmodule}} {package.__name__}", "```", "",
-                    f"```{{{_directive(obj)}}} {qualified}", "```", ""])
+  return "\n".join([f"# {name}", "", "```{eval-rst}", f".. currentmodule:: {package.__name__}",
+                    "", f".. {_directive(obj)}:: {name}", "```", ""])
 
 
 def write_pages(folder: pathlib.Path, package: types.ModuleType) -> None:
@@ -77,16 +73,25 @@ def write_pages(folder: pathlib.Path, package: types.ModuleType) -> None:
       path.write_text(text)
 
 
-class PublicNames(Autosummary):
-  """``{public-names}``: an autosummary table of every name in the package's ``__all__``."""
+def _public_names_directive():
+  """``{public-names}``: an autosummary table of every name in the package's ``__all__``.
 
-  required_arguments = 0
-  has_content = False
+  Made when Sphinx loads the extension, so that the functions above import without Sphinx
+  (tests/test_docs.py runs them in the test environment).
+  """
+  from docutils.statemachine import StringList
+  from sphinx.ext.autosummary import Autosummary
 
-  def run(self):
-    package = importlib.import_module(PACKAGE)
-    self.content = StringList([f"{PACKAGE}.{name}" for name in public_names(package)])
-    return super().run()
+  class PublicNames(Autosummary):
+    required_arguments = 0
+    has_content = False
+
+    def run(self):
+      package = importlib.import_module(PACKAGE)
+      self.content = StringList(public_names(package))
+      return super().run()
+
+  return PublicNames
 
 
 def _on_builder_inited(app) -> None:
@@ -95,5 +100,5 @@ def _on_builder_inited(app) -> None:
 
 def setup(app):
   app.connect("builder-inited", _on_builder_inited)
-  app.add_directive("public-names", PublicNames)
+  app.add_directive("public-names", _public_names_directive())
   return {"parallel_read_safe": True, "parallel_write_safe": True}
