@@ -79,6 +79,8 @@ def test_every_name_of_the_package_gets_a_page(tmp_path):
   api_pages.write_pages(tmp_path, optax_safefactor)
   assert {p.stem for p in tmp_path.glob("*.md")} == set(optax_safefactor.__all__)
   # Sorted without regard to case, so a class sits next to the function that makes it.
+  rules = (tmp_path / "DEFAULT_LOGICAL_RULES.md").read_text()
+  assert "   Logical axis names that hold separate layers or experts" in rules
   assert api_pages.public_names(optax_safefactor)[:2] == ["accumulate_gradients",
                                                           "AccumulationState"]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pathlib
+import re
+import sys
 import types
 
 PACKAGE = "optax_safefactor"
@@ -52,8 +54,29 @@ def page(package: types.ModuleType, name: str) -> str:
     return "\n".join([*lines, "```", ""])
   # A NamedTuple's fields are described by its docstring's Attributes section; listing
   # them as members too would document each twice ("Alias for field number 0").
-  return "\n".join([f"# {name}", "", "```{eval-rst}", f".. currentmodule:: {package.__name__}",
-                    "", f".. {_directive(obj)}:: {name}", "```", ""])
+  lines = [f"# {name}", "", "```{eval-rst}", f".. currentmodule:: {package.__name__}", "",
+           f".. {_directive(obj)}:: {name}"]
+  if _directive(obj) == "autodata":
+    # A constant's documentation is the "#:" comment where it is defined, which autodoc
+    # reads only from that module, not from the package that re-exports it.
+    lines += ["", *(f"   {line}" for line in doc_comment(package, name))]
+  return "\n".join([*lines, "```", ""])
+
+
+def doc_comment(package: types.ModuleType, name: str) -> list[str]:
+  """The ``#:`` comment lines above the assignment of ``package.name`` in its own module."""
+  obj = getattr(package, name)
+  for module_name, module in sorted(sys.modules.items()):
+    if not module_name.startswith(f"{package.__name__}.") or getattr(module, name, None) is not obj:
+      continue
+    try:
+      source = inspect.getsource(module)
+    except (OSError, TypeError):
+      continue
+    found = re.search(rf"((?:^#:.*\n)+)^{re.escape(name)}\b", source, re.MULTILINE)
+    if found:
+      return [line[2:].strip() for line in found[1].splitlines()]
+  return []
 
 
 def write_pages(folder: pathlib.Path, package: types.ModuleType) -> None:
