@@ -217,7 +217,7 @@ def state_partition_specs(
     params: the params, as arrays or ``jax.ShapeDtypeStruct`` (no memory is used).
     param_specs: a tree of ``PartitionSpec`` like ``params``; ``None`` to read them off
       the params' ``NamedSharding``.
-    mesh: if given, return ``NamedSharding``s on this mesh instead of specs.
+    mesh: if given, return a ``NamedSharding`` on this mesh per leaf instead of specs.
 
   Returns:
     A pytree of ``PartitionSpec`` (or ``NamedSharding``) shaped like the state.

@@ -1,0 +1,219 @@
+"""The built documentation site: a page per public name, no broken internal link, and pages
+that render in headless Chromium without a console error.
+
+Build the site first (`sphinx-build -W --keep-going -b html docs docs/_build/html`, with the
+`docs` extra); without it, or without Chromium (Debian's `chromium`) and playwright, these
+tests skip. .ci/run's docs stage builds the site and sets OPTAX_SAFEFACTOR_SITE_REQUIRED=1,
+which turns those skips into failures. The screenshots go to docs/_build/screenshots/.
+"""
+
+import functools
+import html.parser
+import http.server
+import os
+import pathlib
+import threading
+import urllib.parse
+
+import pytest
+
+import optax_safefactor
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SITE = ROOT / "docs" / "_build" / "html"
+SCREENSHOTS = ROOT / "docs" / "_build" / "screenshots"
+CHROMIUM = pathlib.Path("/usr/bin/chromium")
+REQUIRED = os.environ.get("OPTAX_SAFEFACTOR_SITE_REQUIRED") == "1"
+# The only resource a page may load from elsewhere: MathJax, on the pages whose docstrings
+# hold formulas. The test serves it as an empty script (this machine is offline).
+EXTERNAL_ALLOWED = ("https://cdn.jsdelivr.net/npm/mathjax@",)
+
+
+def _skip_or_fail(reason: str):
+  if REQUIRED:
+    pytest.fail(f"{reason}, and OPTAX_SAFEFACTOR_SITE_REQUIRED=1")
+  pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def site() -> pathlib.Path:
+  if not (SITE / "index.html").is_file():
+    _skip_or_fail(f"the site is not built ({SITE})")
+  return SITE
+
+
+class _Page(html.parser.HTMLParser):
+  """The ids and the links of one HTML page."""
+
+  def __init__(self):
+    super().__init__()
+    self.ids, self.links = set(), []
+
+  def handle_starttag(self, tag, attrs):
+    attrs = dict(attrs)
+    if attrs.get("id"):
+      self.ids.add(attrs["id"])
+    if tag == "a" and attrs.get("href") is not None:
+      self.links.append(attrs["href"])
+    if tag in ("img", "script") and attrs.get("src"):
+      self.links.append(attrs["src"])
+    if tag == "link" and attrs.get("href") and attrs.get("rel") != ["canonical"]:
+      self.links.append(attrs["href"])
+
+
+@functools.cache
+def _parse(path: pathlib.Path) -> _Page:
+  page = _Page()
+  page.feed(path.read_text(encoding="utf-8"))
+  return page
+
+
+def broken_links(site: pathlib.Path) -> list[str]:
+  """Every internal link or anchor of the built site that leads nowhere, as ``page: href``."""
+  broken = []
+  for page_path in sorted(site.rglob("*.html")):
+    for href in _parse(page_path).links:
+      parts = urllib.parse.urlsplit(href)
+      if parts.scheme or parts.netloc or href.startswith(("mailto:", "javascript:")):
+        continue
+      target = page_path
+      if parts.path:
+        target = (page_path.parent / urllib.parse.unquote(parts.path)).resolve()
+        if target.is_dir():
+          target = target / "index.html"
+      if not target.is_file():
+        broken.append(f"{page_path.relative_to(site)}: {href}")
+      elif parts.fragment and target.suffix == ".html" and (
+          urllib.parse.unquote(parts.fragment) not in _parse(target).ids):
+        broken.append(f"{page_path.relative_to(site)}: {href} (no such anchor)")
+  return broken
+
+
+def test_every_public_name_has_a_page(site):
+  for name in optax_safefactor.__all__:
+    page = site / "api" / f"{name}.html"
+    assert page.is_file(), f"no page for osf.{name}"
+    anchor = f"optax_safefactor.{name}"
+    ids = _parse(page).ids
+    assert anchor in ids or f"module-{anchor}" in ids, f"{page.name} does not document {name}"
+  index_links = _parse(site / "api.html").links
+  for name in optax_safefactor.__all__:
+    assert any(link.split("#")[0] == f"api/{name}.html" for link in index_links), name
+
+
+def test_the_guides_and_notebooks_are_in_the_site(site):
+  for guide in (ROOT / "docs" / "guides").glob("*.md"):
+    assert (site / "guides" / f"{guide.stem}.html").is_file(), guide.name
+  for notebook in (ROOT / "notebooks").glob("*.ipynb"):
+    page = (site / "notebooks" / f"{notebook.stem}.html").read_text()
+    # Executed at build time: the outputs are in the page (a stream or a figure).
+    assert 'class="output' in page, f"{notebook.name} is shown without its outputs"
+
+
+def test_no_internal_link_is_broken(site):
+  assert not broken_links(site)
+
+
+def test_broken_links_finds_a_missing_page_and_a_missing_anchor(tmp_path):
+  (tmp_path / "a.html").write_text('<p id="here"></p><a href="b.html#nowhere">b</a>'
+                                   '<a href="#here">self</a><a href="c.html">c</a>'
+                                   '<a href="https://example.org/x.html">out</a>')
+  (tmp_path / "b.html").write_text('<p id="there"></p>')
+  assert broken_links(tmp_path) == ["a.html: b.html#nowhere (no such anchor)",
+                                    "a.html: c.html"]
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+  def log_message(self, *args):
+    pass
+
+
+@pytest.fixture(scope="module")
+def server(site):
+  handler = functools.partial(_QuietHandler, directory=str(site))
+  httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+  thread.start()
+  yield f"http://127.0.0.1:{httpd.server_address[1]}"
+  httpd.shutdown()
+  httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser(server, tmp_path_factory):
+  if not CHROMIUM.is_file():
+    _skip_or_fail(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+  try:
+    from playwright.sync_api import sync_playwright
+  except ImportError:
+    _skip_or_fail("playwright is not installed (the docs extra)")
+  with sync_playwright() as playwright:
+    context = playwright.chromium.launch_persistent_context(
+        str(tmp_path_factory.mktemp("chromium-profile")),  # an empty --user-data-dir
+        executable_path=str(CHROMIUM), headless=True, viewport={"width": 1280, "height": 900},
+        args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update",
+              "--disable-sync"])
+    yield context
+    context.close()
+
+
+def render(browser, server, path: str, screenshot: pathlib.Path) -> dict:
+  """Opens ``path`` of the site, screenshots it, and returns what went wrong on the way."""
+  problems = {"console": [], "page errors": [], "failed": [], "external": []}
+  page = browser.new_page()
+
+  def route(request_route):
+    url = request_route.request.url
+    if url.startswith(server):
+      request_route.continue_()
+    elif url.startswith(EXTERNAL_ALLOWED):
+      request_route.fulfill(status=200, content_type="application/javascript", body="")
+    else:
+      problems["external"].append(url)
+      request_route.abort()
+
+  page.route("**/*", route)
+  page.on("console", lambda message: message.type == "error" and problems["console"].append(
+      f"{message.text} ({message.location.get('url')})"))
+  page.on("pageerror", lambda error: problems["page errors"].append(str(error)))
+  page.on("requestfailed", lambda request: problems["failed"].append(request.url))
+  page.on("response", lambda response: response.status >= 400 and problems["failed"].append(
+      f"{response.status} {response.url}"))
+  response = page.goto(f"{server}/{path}", wait_until="networkidle")
+  problems["status"] = response.status
+  problems["title"] = page.title()
+  problems["headings"] = page.locator("h1").all_inner_texts()
+  screenshot.parent.mkdir(parents=True, exist_ok=True)
+  page.screenshot(path=str(screenshot), full_page=False)
+  page.close()
+  return problems
+
+
+@pytest.mark.parametrize(("path", "heading"), [
+    ("index.html", "optax_safefactor"),
+    ("api/safefactor.html", "safefactor"),
+    ("guides/sharding.html", "Sharded and multi-host training"),
+])
+def test_page_renders_without_errors(browser, server, path, heading):
+  shot = SCREENSHOTS / f"{path.replace('/', '_').removesuffix('.html')}.png"
+  problems = render(browser, server, path, shot)
+  assert problems["status"] == 200, problems
+  assert [h.rstrip("¶#").strip() for h in problems["headings"]][:1] == [heading], problems
+  for kind in ("console", "page errors", "failed", "external"):
+    assert not problems[kind], (kind, problems[kind])
+  assert shot.stat().st_size > 10_000, "the screenshot is (nearly) blank"
+
+
+def test_render_reports_a_missing_page_and_a_console_error(browser, server, site, tmp_path):
+  broken = site / "_test_broken_page.html"
+  broken.write_text("<html><head><title>x</title></head><body><h1>x</h1>"
+                    "<script>console.error('boom')</script></body></html>")
+  try:
+    problems = render(browser, server, broken.name, tmp_path / "broken.png")
+    assert any("boom" in message for message in problems["console"])
+    missing = render(browser, server, "api/no_such_name.html", tmp_path / "missing.png")
+    assert missing["status"] == 404
+  finally:
+    broken.unlink()
+
