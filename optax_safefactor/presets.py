@@ -425,7 +425,7 @@ def big_vision(
   leaf's largest update, beyond one ulp of the param. With bfloat16 momentum in float32,
   a blend that float32 rounding puts on the other side of a bfloat16 tie is stored one
   bfloat16 ulp away from the float64 blend's (measured: 1.4e-3 of the largest update, on
-  one element); big_vision, computing in float32 too, rounds the same way.
+  one element); big_vision's own float32 blend is open to the same tie.
 
   Differences by design: before ``decay_offset`` big_vision's :math:`\beta_2` raises a
   negative number to a fractional power (NaN for ever); the preset clamps the local step
@@ -437,7 +437,7 @@ def big_vision(
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import optax_safefactor as osf
-    >>> tx = osf.presets.big_vision(1e-3, wd=1e-4, schedule=optax.cosine_decay_schedule(1.0, 100))
+    >>> tx = osf.presets.big_vision(1e-3, wd=1e-4, schedule=optax.linear_schedule(1.0, 0.0, 100))
     >>> params = {"dense": {"kernel": jnp.ones((64, 32)), "bias": jnp.zeros(32)}}
     >>> state = tx.init(params)
     >>> grads = {"dense": {"kernel": jnp.ones((64, 32)), "bias": jnp.ones(32)}}

@@ -152,6 +152,19 @@ def test_transformers_matches_hf_adafactor(config, dtype):
   assert _largest_difference(ours, theirs) <= BOUND[dtype]
 
 
+def test_transformers_without_eps_keeps_zero_rows_finite():
+  """By design: with eps[0] = 0 HF divides 0 by 0 on an all-zero row; the preset floors."""
+  torch = pytest.importorskip("torch")
+  hf = pytest.importorskip("transformers.optimization")
+  params, grads = _problem(np.float32, steps=3, shapes={"zero_rows": (12, 10)})
+  kwargs = dict(eps=(0.0, 1e-3))
+  ours, _ = _run_preset(osf.presets.transformers(**kwargs), params, grads)
+  theirs = _run_torch(lambda ps: hf.Adafactor(ps, **kwargs), params, grads, torch)
+  assert np.isnan(theirs[0]["zero_rows"][1]).any()
+  before, after = ours[-1]["zero_rows"]
+  assert np.isfinite(after).all() and np.array_equal(after[:5], before[:5])
+
+
 # torch ------------------------------------------------------------------------------------
 
 TORCH_CONFIGS = {
