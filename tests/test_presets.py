@@ -20,6 +20,7 @@ import pytest
 from hypothesis import assume, given, settings
 
 import optax_safefactor as osf
+from optax_safefactor._src import preset_assembly
 from tests.preset_references import BigVisionAdafactor, T5XAdafactor
 
 STEPS = 30
@@ -393,7 +394,7 @@ def test_unknown_and_conflicting_overrides_are_named(preset):
 
 
 @settings(max_examples=40)
-@given(name=st.sampled_from(sorted(set(osf.presets._SAFEFACTOR_ARGUMENTS) | {"bogus"})),
+@given(name=st.sampled_from(sorted(set(preset_assembly.SAFEFACTOR_ARGUMENTS) | {"bogus"})),
        preset=st.sampled_from(sorted(PRESETS)))
 def test_every_override_is_taken_or_refused_by_name(name, preset):
   """An override either builds (its default value passes through) or raises naming it."""
