@@ -17,6 +17,7 @@ from optax_safefactor._src.guard import skip_nonfinite
 Schedule = Callable[[jax.Array], jax.Array]
 
 SAFEFACTOR_ARGUMENTS = tuple(inspect.signature(safefactor).parameters)
+_DEFAULT_ROUNDING = inspect.signature(safefactor).parameters["param_rounding"].default
 _GUARD_ARGUMENTS = ("skip_nonfinite_steps", "max_consecutive_skips", "checked", "skip_spikes",
                     "spike_window")
 
@@ -57,7 +58,7 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   if not after:
     tx = safefactor(**arguments)
     return optax.with_extra_args_support(optax.chain(*before, tx)) if before else tx
-  if write_back.rounds_onto_params(arguments.get("param_rounding")):
+  if write_back.rounds_onto_params(arguments.get("param_rounding", _DEFAULT_ROUNDING)):
     raise ValueError(
         f"presets.{preset}(): param_rounding={arguments['param_rounding']!r} rounds "
         "safefactor's update onto the params, so it must be the final update; this preset "

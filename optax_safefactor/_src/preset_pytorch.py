@@ -45,7 +45,7 @@ def _decay_scaled_by_param_rms(weight_decay: float, learning_rate: optax.ScalarO
 
     def decayed(u, p):
       # In float32 at least (float64 for float64 leaves), as safefactor computes.
-      ct = jnp.promote_types(u.dtype, jnp.float32)
+      ct = u.dtype if jnp.finfo(u.dtype).bits >= 32 else jnp.dtype(jnp.float32)
       wide = p.astype(ct)
       scale = jnp.maximum(jnp.sqrt(jnp.mean(jnp.square(wide))), jnp.asarray(min_scale, ct))
       decay = (jnp.asarray(weight_decay * rate, ct) * scale) * wide
@@ -137,6 +137,7 @@ def transformers(
            "min_parameter_scale": "eps[1]", "clipping_threshold": "clip_threshold",
            "decay_rate": "decay_rate", "momentum": "beta1",
            "weight_decay_rate": "weight_decay and lr", "factor_rules": _FACTORED_AXES,
+           "factored": _FACTORED_AXES, "min_dim_size_to_factor": _FACTORED_AXES,
            "multiply_by_parameter_scale": "scale_parameter"}
   preset_assembly.check_overrides("transformers", overrides, taken)
   if lr is not None and relative_step:
@@ -251,6 +252,7 @@ def torch(
   taken = {"learning_rate": "lr", "eps": "eps[0]", "min_parameter_scale": "eps[1]",
            "clipping_threshold": "d", "decay_rate": "beta2_decay",
            "weight_decay_rate": "weight_decay and lr", "factor_rules": _FACTORED_AXES,
+           "factored": _FACTORED_AXES, "min_dim_size_to_factor": _FACTORED_AXES,
            "multiply_by_parameter_scale": "(always on in torch.optim.Adafactor)"}
   preset_assembly.check_overrides("torch", overrides, taken)
   eps1, eps2 = eps
