@@ -153,6 +153,44 @@ def test_transformers_matches_hf_adafactor(config, dtype):
   assert _largest_difference(ours, theirs) <= BOUND[dtype]
 
 
+@pytest.mark.parametrize("warmup_init", [False, True])
+def test_transformers_relative_step_past_ten_thousand_steps(warmup_init):
+  """HF's relative step is 1/sqrt(t) once t passes 1e4 (with or without warm-up): both
+  optimizers jump from step 1 to step 40001, then take the same steps."""
+  torch = pytest.importorskip("torch")
+  hf = pytest.importorskip("transformers.optimization")
+  params, grads = _problem(np.float32, steps=6, shapes={"tall": (64, 40), "vector": (48,)})
+  tx = osf.presets.transformers(warmup_init=warmup_init, beta1=0.5)
+  p = {name: jnp.asarray(value) for name, value in params.items()}
+  state = tx.init(p)
+  tensors = {name: torch.tensor(value.copy()) for name, value in params.items()}
+  optimizer = hf.Adafactor(list(tensors.values()), warmup_init=warmup_init, beta1=0.5)
+  ours, theirs = [], []
+  for step, g in enumerate(grads):
+    if step == 1:
+      inner = state.inner_state
+      state = state._replace(inner_state=inner._replace(count=jnp.asarray(40000, jnp.int32)))
+      for t in tensors.values():
+        optimizer.state[t]["step"] = 40000
+    u, state = tx.update({name: jnp.asarray(value) for name, value in g.items()}, state, p)
+    new = optax.apply_updates(p, u)
+    ours.append(_steps(p, new))
+    p = new
+    before = {name: t.numpy().copy() for name, t in tensors.items()}
+    for name, t in tensors.items():
+      t.grad = torch.tensor(g[name].copy())
+    optimizer.step()
+    theirs.append(_steps(before, {name: t.numpy().copy() for name, t in tensors.items()}))
+  # safefactor's float32 mixing weight 1 - beta2, taken from beta2 rounded to float32, is
+  # off by up to 6e-8 / (1 - beta2) relative at this step (2.5e-5 here; HF's is a double):
+  # the preset's docstring states it.
+  assert _largest_difference(ours, theirs) <= 1e-4
+  # 1/sqrt(40002) = 5.0e-3 is the step now, half of the 1e-2 of the first 1e4 steps
+  before, after = ours[-1]["vector"]
+  rms_update = np.sqrt(np.mean((after.astype(np.float64) - before) ** 2))
+  assert rms_update < 5.1e-3 * np.sqrt(np.mean(before.astype(np.float64) ** 2))
+
+
 def test_transformers_without_eps_keeps_zero_rows_finite():
   """By design: with eps[0] = 0 HF divides 0 by 0 on an all-zero row; the preset floors."""
   torch = pytest.importorskip("torch")
@@ -455,7 +493,7 @@ def test_transformers_decay_with_parameter_scale_skips_as_a_whole():
 SMALL = {"m": (12, 10), "v": (7,), "s": (2, 6, 5)}
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(clip_threshold=st.sampled_from([1.0, 1.5, 4.0]),
        decay_rate=st.sampled_from([-0.8, -0.5, -1.0]),
        beta1=st.sampled_from([None, 0.0, 0.9]),
@@ -477,7 +515,7 @@ def test_transformers_property(clip_threshold, decay_rate, beta1, weight_decay,
   assert _largest_difference(ours, theirs) <= BOUND[np.float32]
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(lr=st.sampled_from([1e-2, 0.3, 1.0]), beta2_decay=st.sampled_from([-0.8, -0.5]),
        eps2=st.sampled_from([1e-3, 1e-1]), d=st.sampled_from([1.0, 3.0]),
        weight_decay=st.sampled_from([0.0, 0.05]), maximize=st.booleans(),
