@@ -1,5 +1,6 @@
 """optax_safefactor: a numerically safe Adafactor for optax, JAX and Flax."""
 
+from optax_safefactor import presets as presets
 from optax_safefactor._src.accumulate import AccumulationState as AccumulationState
 from optax_safefactor._src.accumulate import accumulate_gradients as accumulate_gradients
 from optax_safefactor._src.alias import safefactor as safefactor
@@ -43,6 +44,7 @@ __all__ = (
     "migrate_from_optax",
     "nonfinite_report",
     "nonfinite_summary",
+    "presets",
     "safefactor",
     "scale_by_safe_factored_rms",
     "skip_nonfinite",

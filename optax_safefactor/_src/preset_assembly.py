@@ -1,0 +1,102 @@
+"""What the presets share: overrides checked by name, and the chain around ``safefactor``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_safefactor._src import write_back
+from optax_safefactor._src.alias import safefactor
+from optax_safefactor._src.guard import skip_nonfinite
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+SAFEFACTOR_ARGUMENTS = tuple(inspect.signature(safefactor).parameters)
+_DEFAULT_ROUNDING = inspect.signature(safefactor).parameters["param_rounding"].default
+_GUARD_ARGUMENTS = ("skip_nonfinite_steps", "max_consecutive_skips", "checked", "skip_spikes",
+                    "spike_window")
+
+
+def check_overrides(preset: str, overrides: Mapping[str, Any],
+                    taken: Mapping[str, str]) -> None:
+  """A TypeError for an override ``safefactor`` does not know or the preset already sets.
+
+  ``taken`` maps a ``safefactor`` argument to the preset's own argument(s) it comes from,
+  or to the reason it is fixed, in parentheses.
+  """
+  for name in overrides:
+    if name in taken:
+      if taken[name].startswith("("):
+        raise TypeError(f"presets.{preset}(): {name} is fixed by this preset {taken[name]}")
+      raise TypeError(
+          f"presets.{preset}(): {name} is set from this preset's own {taken[name]}; "
+          f"pass that instead of {name}=")
+    if name not in SAFEFACTOR_ARGUMENTS:
+      free = [n for n in SAFEFACTOR_ARGUMENTS if n not in taken]
+      raise TypeError(
+          f"presets.{preset}() got an unexpected keyword argument {name!r}; overrides go to "
+          f"osf.safefactor, and this preset leaves these free: {', '.join(free)}")
+
+
+def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
+          *, before: Sequence[optax.GradientTransformation] = (),
+          after: Sequence[optax.GradientTransformation] = ()
+          ) -> optax.GradientTransformationExtraArgs:
+  """``safefactor(**settings, **overrides)``, between stateless ``before`` steps and
+  ``after`` steps that change its update.
+
+  With ``after`` steps, ``safefactor``'s own guard would skip its part only, so the guard
+  moves out and judges the whole chain (``skip_nonfinite`` with the same settings), and a
+  rounding write-back, which must be the final step, is refused.
+  """
+  arguments = {**settings, **overrides}
+  if not after:
+    tx = safefactor(**arguments)
+    return optax.with_extra_args_support(optax.chain(*before, tx)) if before else tx
+  if write_back.rounds_onto_params(arguments.get("param_rounding", _DEFAULT_ROUNDING)):
+    raise ValueError(
+        f"presets.{preset}(): param_rounding={arguments['param_rounding']!r} rounds "
+        "safefactor's update onto the params, so it must be the final update; this preset "
+        "scales it afterwards, as the original does (keep param_rounding='nearest')")
+  guard = {name: arguments.pop(name) for name in _GUARD_ARGUMENTS if name in arguments}
+  inner = optax.chain(*before, safefactor(**arguments, skip_nonfinite_steps=False), *after)
+  if not guard.pop("skip_nonfinite_steps", True):
+    if guard:
+      raise ValueError(f"presets.{preset}(): {', '.join(guard)} need skip_nonfinite_steps=True")
+    return optax.with_extra_args_support(inner)
+  return skip_nonfinite(inner, guard.pop("max_consecutive_skips", None), **guard)
+
+
+def value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  """A number, or a schedule's value at ``count``."""
+  return value(count) if callable(value) else value
+
+
+def one_based_step(count: jax.Array) -> jax.Array:
+  """The 1-based step of a 0-based count, in the default float dtype (float64 with x64)."""
+  return jnp.asarray(count, float) + 1
+
+
+def times(factor: float, value: optax.ScalarOrSchedule) -> optax.ScalarOrSchedule:
+  """``factor * value``, a schedule when ``value`` is one."""
+  if callable(value):
+    return lambda count: factor * value(count)
+  return factor * value
+
+
+def path_name(path: Any) -> str:
+  """A leaf's path joined with ``/``, as big_vision and T5X name parameters."""
+  parts = []
+  for key in path:
+    for attribute in ("key", "name", "idx"):
+      if hasattr(key, attribute):
+        parts.append(str(getattr(key, attribute)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)

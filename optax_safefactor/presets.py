@@ -1,0 +1,23 @@
+"""One-line equivalents of other Adafactor implementations, each built on ``safefactor``.
+
+Each preset takes the other implementation's own argument names and defaults and
+returns an optax transformation whose updates are that implementation's, computed by
+:func:`optax_safefactor.safefactor` (with its floors, float32 statistics and non-finite
+guard). Keyword arguments beyond the implementation's own (``**overrides``) go to
+``safefactor``'s keyword arguments: ``state_dtype``, ``skip_spikes``,
+``max_consecutive_skips`` and the like. An override that the preset already sets from
+one of its own arguments, or that ``safefactor`` does not know, is a ``TypeError``
+naming it.
+
+The measured agreement of each preset with its implementation is in its docstring;
+``tests/test_presets.py`` checks it step by step (against the real optimizers where
+they install: ``torch`` and ``transformers``; against float64 restatements of their
+sources for big_vision and T5X).
+"""
+
+from optax_safefactor._src.preset_google import big_vision as big_vision
+from optax_safefactor._src.preset_google import t5x as t5x
+from optax_safefactor._src.preset_pytorch import torch as torch
+from optax_safefactor._src.preset_pytorch import transformers as transformers
+
+__all__ = ("big_vision", "t5x", "torch", "transformers")
