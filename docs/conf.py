@@ -48,6 +48,7 @@ intersphinx_mapping = {
     "python": ("https://docs.python.org/3/", "_inventories/python.inv"),
     "jax": ("https://docs.jax.dev/en/latest/", "_inventories/jax.inv"),
     "optax": ("https://optax.readthedocs.io/en/latest/", "_inventories/optax.inv"),
+    "numpy": ("https://numpy.org/doc/stable/", "_inventories/numpy.inv"),
     "flax": ("https://flax.readthedocs.io/en/latest/", "_inventories/flax.inv"),
 }
 intersphinx_timeout = 1

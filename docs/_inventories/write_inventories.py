@@ -1,4 +1,4 @@
-"""Writes the intersphinx inventories of docs/_inventories/ (python, jax, optax, flax).
+"""Writes the intersphinx inventories of docs/_inventories/ (python, jax, optax, numpy, flax).
 
 The site's build runs offline, so intersphinx cannot download each project's objects.inv.
 These small inventories hold only the names the site references (in the docstrings, the
@@ -58,6 +58,12 @@ INVENTORIES = {
         ("optax.apply_updates", "py:function", "api/apply_updates.html"),
         ("optax.MultiSteps", "py:class", "api/optimizer_wrappers.html"),
         ("optax.schedules.inject_hyperparams", "py:function", "api/optimizer_schedules.html"),
+    ]),
+    # jax.typing.ArrayLike, spelt out where a signature's annotations are evaluated.
+    "numpy": ("stable", [
+        ("numpy.ndarray", "py:class", "reference/generated/numpy.ndarray.html"),
+        ("numpy.bool", "py:class", "reference/arrays.scalars.html"),
+        ("numpy.number", "py:class", "reference/arrays.scalars.html"),
     ]),
     "flax": ("latest", [
         ("flax.nnx.optimizer.Optimizer", "py:class",

@@ -66,7 +66,7 @@ def _mesh_is_trivial(mesh: Any) -> bool:
 
 def _auto_axes(mesh: Any) -> bool:
   types = getattr(mesh, "axis_types", ()) or ()
-  return any("Explicit" not in str(axis_type) for axis_type in types)
+  return any(axis_type != jax.sharding.AxisType.Explicit for axis_type in types)
 
 
 def is_replicated(x: Any) -> bool:
@@ -81,7 +81,8 @@ def is_replicated(x: Any) -> bool:
   if not isinstance(x, jax.core.Tracer):
     sharding = getattr(x, "sharding", None)
     return sharding is None or bool(sharding.is_fully_replicated)
-  context = jax.sharding.get_abstract_mesh()
+  get_context = getattr(jax.sharding, "get_abstract_mesh", None)
+  context = None if get_context is None else get_context()
   if not _mesh_is_trivial(context) and _auto_axes(context):
     return False
   sharding = getattr(jax.typeof(x), "sharding", None)
