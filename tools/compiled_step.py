@@ -11,6 +11,15 @@ float32), the time to trace and lower the train step (``jax.jit(step).lower``) a
 time XLA takes to compile it, for safefactor (spike skipping off and on) and
 ``optax.adafactor`` in the same process, as the least over ``--repetitions`` rounds, with
 JAX's caches cleared before each.
+
+``python tools/compiled_step.py pairs --tree 600-leaves --dtype float32 --pairs 5`` runs
+each pair in a fresh process: it compiles ``optax.adafactor`` and safefactor (packed and
+unpacked, guard on; the jitted step returning params and state) one after the other, in an
+order that alternates between pairs, and prints the median over the pairs of each ratio to
+optax, trace+lower and XLA compile apart. A fresh process per pair keeps one compile's
+caches and memory out of the next; the ratio within a pair cancels most of what else the
+machine is doing. ``--tree layered-48`` is the 576-leaf tree above; the others are the
+benchmark's (``optax_safefactor.benchmarks.trees``).
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import collections
 import gc
 import json
 import re
+import statistics
+import subprocess
 import sys
 import time
 
@@ -133,6 +144,63 @@ def times(repetitions: int) -> dict[str, dict[str, float]]:
           for name, measured in rounds.items()}
 
 
+PAIR_CANDIDATES = ("optax.adafactor", "safefactor", "safefactor, unpacked")
+
+
+def _pair_candidate(name: str, momentum: bool):
+  extra = {"momentum": 0.9} if momentum else {}
+  if name == "optax.adafactor":
+    return optax.adafactor(1e-3, **extra)
+  return osf.safefactor(1e-3, pack_small_leaves=name == "safefactor", **extra)
+
+
+def one_pair(tree: str, dtype: str, momentum: bool, order: int) -> dict[str, dict[str, float]]:
+  """Trace+lower and compile seconds of each candidate, in this process, once each."""
+  if tree == "layered-48":
+    params = layered_tree(48, 256, jnp.dtype(dtype))
+  else:
+    from optax_safefactor.benchmarks import trees
+    params, _ = trees.params_and_grads(tree, 1.0, dtype)
+  names = PAIR_CANDIDATES if order % 2 == 0 else PAIR_CANDIDATES[::-1]
+  measured = {}
+  for name in names:
+    tx = _pair_candidate(name, momentum)
+    state = tx.init(params)
+    gc.collect()
+    gc.disable()
+    try:
+      started = time.perf_counter()
+      lowered = jax.jit(train_step(tx)).lower(params, state, params)
+      lowered_at = time.perf_counter()
+      lowered.compile()
+      compiled_at = time.perf_counter()
+    finally:
+      gc.enable()
+    measured[name] = {"trace+lower": lowered_at - started, "compile": compiled_at - lowered_at}
+  return measured
+
+
+def pairs(tree: str, dtype: str, momentum: bool, count: int) -> dict[str, dict[str, float]]:
+  """The median over ``count`` fresh-process pairs of each candidate's ratios to optax."""
+  ratios = {name: {"trace+lower": [], "compile": []} for name in PAIR_CANDIDATES[1:]}
+  seconds = {name: [] for name in PAIR_CANDIDATES}
+  for order in range(count):
+    result = subprocess.run(
+        [sys.executable, __file__, "one-pair", tree, dtype, str(int(momentum)), str(order)],
+        capture_output=True, text=True, check=True)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    for name in PAIR_CANDIDATES:
+      seconds[name].append(measured[name]["compile"])
+    for name in ratios:
+      for what in ("trace+lower", "compile"):
+        ratios[name][what].append(measured[name][what] / measured["optax.adafactor"][what])
+  summary = {name: {what: statistics.median(values) for what, values in by_what.items()}
+             for name, by_what in ratios.items()}
+  for name, values in seconds.items():
+    summary.setdefault(name, {})["compile_s"] = statistics.median(values)
+  return summary
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -143,7 +211,27 @@ def main(argv=None) -> int:
   cmp.add_argument("after")
   timing = sub.add_parser("times", help="trace+lower and compile times against optax")
   timing.add_argument("--repetitions", type=int, default=5)
+  paired = sub.add_parser("pairs", help="compile-time ratios to optax over fresh-process pairs")
+  paired.add_argument("--tree", default="layered-48")
+  paired.add_argument("--dtype", default="float32")
+  paired.add_argument("--momentum", action="store_true")
+  paired.add_argument("--pairs", type=int, default=5)
+  single = sub.add_parser("one-pair")
+  for name in ("tree", "dtype", "momentum", "order"):
+    single.add_argument(name)
   args = parser.parse_args(argv)
+  if args.command == "one-pair":
+    print(json.dumps(one_pair(args.tree, args.dtype, args.momentum == "1", int(args.order))))
+    return 0
+  if args.command == "pairs":
+    summary = pairs(args.tree, args.dtype, args.momentum, args.pairs)
+    config = "momentum" if args.momentum else "default"
+    print(f"{args.tree} {args.dtype} {config}, median of {args.pairs} fresh-process pairs; "
+          f"optax.adafactor compiles in {summary['optax.adafactor']['compile_s']:.2f} s")
+    for name in PAIR_CANDIDATES[1:]:
+      print(f"  {name} / optax.adafactor: trace+lower {summary[name]['trace+lower']:.2f}x, "
+            f"compile {summary[name]['compile']:.2f}x ({summary[name]['compile_s']:.2f} s)")
+    return 0
   if args.command == "ops":
     counts = op_counts()
     text = json.dumps(counts, indent=1)

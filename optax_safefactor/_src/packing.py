@@ -34,17 +34,20 @@ from optax_safefactor._src import kernel
 from optax_safefactor._src.plan import FactorPlan
 from optax_safefactor._src.write_back import Rounding
 
-#: Leaves of at most this many elements are packed. Measured on the 2-core CPU (see
-#: docs/benchmarks.md, "Packing"): the per-leaf cost the packing saves is fixed, the
-#: copies into and out of the packed array grow with the leaf.
+#: Leaves of at most this many elements are packed (the bound under which the spike rule
+#: also keeps a leaf's gradient whole). Measured on the 2-core CPU with 48 leaves of one size
+#: (docs/benchmarks.md, "Packing"): packing compiled them 3-30% faster at every size, and
+#: stepped them 1.15x slower at 1,024 elements, 1.35-1.4x at 4,096-16,384 and 1.27x beyond:
+#: the copies into and out of the packed array grow with the leaf, the per-leaf cost saved
+#: does not. Hence small leaves only, and packing off by default on that machine.
 PACKED_UP_TO = 16384
 
 #: At most this many leaves are packed into one array. Each leaf's part of a packed result
 #: is split out by a slice of its own, and XLA compiles a kernel per distinct slice: a slice
 #: of row 3 of one group is the same kernel as row 3 of another group of that shape, so
 #: groups of a few rows keep the distinct kernels few. Measured on the 600-leaf tree
-#: (docs/benchmarks.md, "Packing"): 4 rows compile fastest; 8 and 64 step slightly faster
-#: on the CPU but compile slower.
+#: (docs/benchmarks.md, "Packing"): groups of 4 rows compiled fastest (2 to 64 tried); 8 and
+#: 64 stepped slightly faster on the CPU but compiled slower.
 ROWS_PER_GROUP = 4
 
 # The packed array's rows are its leaves: the row axis is a batch axis, so every
