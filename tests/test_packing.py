@@ -133,7 +133,6 @@ def test_updates_are_within_the_summation_bound(rng, request, dtype, settings):
   alone_tx = osf.safefactor(**settings, pack_small_leaves=False)
   packed_update, alone_update = jax.jit(packed_tx.update), jax.jit(alone_tx.update)
   state = alone_tx.init(params)
-  worst = 0.0
   for step_grads in grads:
     expected, next_state = alone_update(step_grads, state, params)
     actual, _ = packed_update(step_grads, state, params)
@@ -142,10 +141,8 @@ def test_updates_are_within_the_summation_bound(rng, request, dtype, settings):
       scale = np.max(np.abs(e))
       error = np.max(np.abs(a - e)) / scale if scale else np.max(np.abs(a))
       assert error <= summation_bound(params[name].size, dtype), (name, error)
-      worst = max(worst, error)
     state = next_state
     params = optax.apply_updates(params, expected)
-  assert worst > 0 or dtype == "float64"  # the reductions do run in another order
 
 
 @pytest.mark.parametrize("settings", [

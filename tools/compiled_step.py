@@ -13,9 +13,9 @@ time XLA takes to compile it, for safefactor (spike skipping off and on) and
 JAX's caches cleared before each.
 
 ``python tools/compiled_step.py pairs --tree 600-leaves --dtype float32 --pairs 5`` runs
-each pair in a fresh process: it compiles ``optax.adafactor`` and safefactor (packed and
-unpacked, guard on; the jitted step returning params and state) one after the other, in an
-order that alternates between pairs, and prints the median over the pairs of each ratio to
+each pair in a fresh process: it compiles ``optax.adafactor`` and safefactor (with and
+without ``pack_small_leaves``, guard on; the jitted step returning params and state) one
+after the other, in an order that alternates between pairs, and prints the median over the pairs of each ratio to
 optax, trace+lower and XLA compile apart. A fresh process per pair keeps one compile's
 caches and memory out of the next; the ratio within a pair cancels most of what else the
 machine is doing. ``--tree layered-48`` is the 576-leaf tree above; the others are the
@@ -116,7 +116,7 @@ def jaxpr_equations(tx, params) -> int:
 def times(repetitions: int) -> dict[str, dict[str, float]]:
   params = layered_tree(48, 256, jnp.float32)
   candidates = {"safefactor": osf.safefactor(1e-3),
-                "safefactor, unpacked": osf.safefactor(1e-3, pack_small_leaves=False),
+                "safefactor, packed": osf.safefactor(1e-3, pack_small_leaves=True),
                 "safefactor, spikes": osf.safefactor(1e-3, skip_spikes=6.0),
                 "optax.adafactor": optax.adafactor(1e-3)}
   rounds = {name: {"trace+lower": [], "compile": []} for name in candidates}
@@ -144,14 +144,14 @@ def times(repetitions: int) -> dict[str, dict[str, float]]:
           for name, measured in rounds.items()}
 
 
-PAIR_CANDIDATES = ("optax.adafactor", "safefactor", "safefactor, unpacked")
+PAIR_CANDIDATES = ("optax.adafactor", "safefactor, packed", "safefactor")
 
 
 def _pair_candidate(name: str, momentum: bool):
   extra = {"momentum": 0.9} if momentum else {}
   if name == "optax.adafactor":
     return optax.adafactor(1e-3, **extra)
-  return osf.safefactor(1e-3, pack_small_leaves=name == "safefactor", **extra)
+  return osf.safefactor(1e-3, pack_small_leaves=name == "safefactor, packed", **extra)
 
 
 def one_pair(tree: str, dtype: str, momentum: bool, order: int) -> dict[str, dict[str, float]]:
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
   for name, values in measured.items():
     print(f"{name}: trace+lower {values['trace+lower']:.2f} s, compile {values['compile']:.2f} s")
   theirs = measured["optax.adafactor"]
-  for name in ("safefactor", "safefactor, unpacked", "safefactor, spikes"):
+  for name in ("safefactor", "safefactor, packed", "safefactor, spikes"):
     ours = measured[name]
     print(f"{name} / optax.adafactor: trace+lower "
           f"{ours['trace+lower'] / theirs['trace+lower']:.2f}x, "

@@ -100,8 +100,8 @@ def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[
     candidates[("safefactor", config_name)] = osf.safefactor(**config)
     candidates[("safefactor, guard off", config_name)] = osf.safefactor(
         **config, skip_nonfinite_steps=False)
-    candidates[("safefactor, unpacked", config_name)] = osf.safefactor(
-        **config, pack_small_leaves=False)
+    candidates[("safefactor, packed", config_name)] = osf.safefactor(
+        **config, pack_small_leaves=True)
     candidates[("safefactor, spikes", config_name)] = osf.safefactor(**config,
                                                                      skip_spikes=6.0)
 
