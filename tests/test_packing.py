@@ -27,7 +27,7 @@ SHAPES = {f"bias{i}": (256,) for i in range(6)} | {
     "small_matrix": (16, 16), "odd": (100,), "w": (256, 192),
     "big": (packing.PACKED_UP_TO + 1,),
 }
-STEPS = 30
+STEPS = 20
 
 
 def _grads(rng, params, steps):

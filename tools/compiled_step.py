@@ -15,11 +15,11 @@ JAX's caches cleared before each.
 ``python tools/compiled_step.py pairs --tree 600-leaves --dtype float32 --pairs 5`` runs
 each pair in a fresh process: it compiles ``optax.adafactor`` and safefactor (with and
 without ``pack_small_leaves``, guard on; the jitted step returning params and state) one
-after the other, in an order that alternates between pairs, and prints the median over the pairs of each ratio to
-optax, trace+lower and XLA compile apart. A fresh process per pair keeps one compile's
-caches and memory out of the next; the ratio within a pair cancels most of what else the
-machine is doing. ``--tree layered-48`` is the 576-leaf tree above; the others are the
-benchmark's (``optax_safefactor.benchmarks.trees``).
+after the other, in an order that alternates between pairs, and prints the median over the
+pairs of each ratio to optax, trace+lower and XLA compile apart. A fresh process per pair
+keeps one compile's caches and memory out of the next; the ratio within a pair cancels most
+of what else the machine is doing. ``--tree layered-48`` is the 576-leaf tree above; the
+others are the benchmark's (``optax_safefactor.benchmarks.trees``).
 """
 
 from __future__ import annotations
