@@ -113,6 +113,24 @@ def jaxpr_equations(tx, params) -> int:
   return count(jax.make_jaxpr(train_step(tx))(params, tx.init(params), params).jaxpr)
 
 
+def timed_compile(tx, params) -> dict[str, float]:
+  """Seconds to trace and lower ``tx``'s train step on ``params``, and to compile it."""
+  state = tx.init(params)
+  # As timeit does: collect first, then time with the cycle collector off, so that a
+  # collection does not land in one measurement.
+  gc.collect()
+  gc.disable()
+  try:
+    started = time.perf_counter()
+    lowered = jax.jit(train_step(tx)).lower(params, state, params)
+    lowered_at = time.perf_counter()
+    lowered.compile()
+    compiled_at = time.perf_counter()
+  finally:
+    gc.enable()
+  return {"trace+lower": lowered_at - started, "compile": compiled_at - lowered_at}
+
+
 def times(repetitions: int) -> dict[str, dict[str, float]]:
   params = layered_tree(48, 256, jnp.float32)
   candidates = {"safefactor": osf.safefactor(1e-3),
@@ -123,21 +141,8 @@ def times(repetitions: int) -> dict[str, dict[str, float]]:
   for _ in range(repetitions):
     for name, tx in candidates.items():
       jax.clear_caches()
-      state = tx.init(params)
-      # As timeit does: collect first, then time with the cycle collector off, so that a
-      # collection does not land in one round.
-      gc.collect()
-      gc.disable()
-      try:
-        started = time.perf_counter()
-        lowered = jax.jit(train_step(tx)).lower(params, state, params)
-        lowered_at = time.perf_counter()
-        lowered.compile()
-        compiled_at = time.perf_counter()
-      finally:
-        gc.enable()
-      rounds[name]["trace+lower"].append(lowered_at - started)
-      rounds[name]["compile"].append(compiled_at - lowered_at)
+      for what, seconds in timed_compile(tx, params).items():
+        rounds[name][what].append(seconds)
   # The least of the rounds: tracing and compiling are deterministic work, and anything
   # else on the machine only ever adds to them.
   return {name: {what: min(values) for what, values in measured.items()}
@@ -168,22 +173,7 @@ def one_pair(tree: str, dtype: str, momentum: bool, order: int) -> dict[str, dic
   for name in names:
     tx = _pair_candidate(name, momentum)
     jax.jit(train_step(tx)).lower(tiny, tx.init(tiny), tiny).compile()
-  measured = {}
-  for name in names:
-    tx = _pair_candidate(name, momentum)
-    state = tx.init(params)
-    gc.collect()
-    gc.disable()
-    try:
-      started = time.perf_counter()
-      lowered = jax.jit(train_step(tx)).lower(params, state, params)
-      lowered_at = time.perf_counter()
-      lowered.compile()
-      compiled_at = time.perf_counter()
-    finally:
-      gc.enable()
-    measured[name] = {"trace+lower": lowered_at - started, "compile": compiled_at - lowered_at}
-  return measured
+  return {name: timed_compile(_pair_candidate(name, momentum), params) for name in names}
 
 
 def pairs(tree: str, dtype: str, momentum: bool, count: int) -> dict[str, dict[str, float]]:
