@@ -8,6 +8,9 @@ from optax_safefactor._src.alias import scale_by_safe_factored_rms as scale_by_s
 from optax_safefactor._src.checked_mode import (
     CheckedWithoutCheckifyError as CheckedWithoutCheckifyError,
 )
+from optax_safefactor._src.counter_layout import migrate_from_0_2 as migrate_from_0_2
+from optax_safefactor._src.counter_layout import state_in_0_2_layout as state_in_0_2_layout
+from optax_safefactor._src.counters import LeafCounts as LeafCounts
 from optax_safefactor._src.counters import SkipNonfiniteState as SkipNonfiniteState
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
 from optax_safefactor._src.kernel import FactoredMoment as FactoredMoment
@@ -35,12 +38,14 @@ __all__ = (
     "CheckedWithoutCheckifyError",
     "FactoredMoment",
     "FullMoment",
+    "LeafCounts",
     "NonFiniteStepsError",
     "SkipNonfiniteState",
     "SpikeHistory",
     "accumulate_gradients",
     "check_nonfinite_steps",
     "logical_factor_rules",
+    "migrate_from_0_2",
     "migrate_from_optax",
     "nonfinite_report",
     "nonfinite_summary",
@@ -50,6 +55,7 @@ __all__ = (
     "skip_nonfinite",
     "skipped_spikes",
     "skipped_steps",
+    "state_in_0_2_layout",
     "state_partition_specs",
     "with_param_rounding",
 )

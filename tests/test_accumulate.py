@@ -137,9 +137,9 @@ def test_a_poisoned_micro_batch_equals_the_run_without_it(kind, position):
   counters = poisoned_state.micro_batches
   assert int(osf.skipped_steps(poisoned_state)) == 1
   assert int(counters.step) == 3 * K + 1
-  assert int(counters.nonfinite_steps["w"]) == 1 and int(counters.nonfinite_steps["b"]) == 0
-  assert int(counters.last_nonfinite_step["w"]) == cut
-  assert int(counters.last_nonfinite_step["b"]) == -1
+  assert counters.nonfinite_steps.host_values() == {"params['b']": 0, "params['w']": 1}
+  assert int(counters.last_nonfinite_step.per_leaf()["w"]) == cut
+  assert int(counters.last_nonfinite_step.per_leaf()["b"]) == -1
   assert int(poisoned_state.applied_steps) == 3
 
 

@@ -55,6 +55,28 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path):
   assert int(osf.skipped_steps(resumed[1])) == 1
 
 
+def test_a_0_2_checkpoint_restores_and_migrates(tmp_path):
+  # Release 0.2 wrote the per-leaf counters as trees shaped like the params: restore into
+  # that layout's target, migrate, and the run goes on bit for bit.
+  tx = _tx()
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+  params, state = _steps(tx, params, tx.init(params), 0, 5)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "step5",
+                    {"params": params, "opt_state": osf.state_in_0_2_layout(state)})
+  checkpointer.wait_until_finished()
+
+  uninterrupted = _steps(tx, params, state, 5, 8)
+  target = {"params": params, "opt_state": osf.state_in_0_2_layout(tx.init(params))}
+  restored = checkpointer.restore(tmp_path / "step5", _abstract(target))
+  migrated = osf.migrate_from_0_2(restored["opt_state"])
+  assert jax.tree.structure(migrated) == jax.tree.structure(state)
+  resumed = _steps(tx, restored["params"], migrated, 5, 8)
+  assert_trees_equal(resumed, uninterrupted)
+  assert osf.nonfinite_report(resumed[1])["nonfinite_steps/params['w']"] == 1
+
+
 def test_restore_onto_another_mesh(tmp_path):
   tx = _tx()
   rng = np.random.default_rng(0)

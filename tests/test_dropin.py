@@ -67,7 +67,7 @@ def test_map_params_casts_the_float_state_and_keeps_the_counters():
   cast = optax.tree.map_params(tx, to_bfloat16, state)
   assert cast.inner_state.second_moment["w"].v_row.dtype == jnp.bfloat16
   assert cast.inner_state.momentum["w"].dtype == jnp.bfloat16
-  assert cast.nonfinite_steps["w"].dtype == jnp.int32
+  assert cast.nonfinite_steps.per_leaf()["w"].dtype == jnp.int32
   assert cast.skipped_steps.dtype == jnp.int32
 
 

@@ -28,8 +28,8 @@ def test_wraps_a_plain_optax_transform():
     _, expected_state, _ = run_steps(optax.adam(0.1), params, _nan_at(set()), 3)
   assert int(osf.skipped_steps(state)) == 3
   assert int(state.consecutive_skips) == 0 and int(state.step) == 6
-  assert int(state.nonfinite_steps["a"]) == 3 and int(state.nonfinite_steps["b"]) == 0
-  assert int(state.last_nonfinite_step["a"]) == 4
+  assert state.nonfinite_steps.host_values() == {"params['a']": 3, "params['b']": 0}
+  assert int(state.last_nonfinite_step.per_leaf()["a"]) == 4
   assert int(state.inner_state[0].count) == 3
   assert_trees_equal(state.inner_state, expected_state)
   for step in (1, 2, 4):

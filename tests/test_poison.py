@@ -52,7 +52,7 @@ def _promotion(uses_optax):
 
 
 def _nonfinite_counts(state):
-  return {name: int(count) for name, count in state.nonfinite_steps.items()}
+  return {name: int(count) for name, count in state.nonfinite_steps.per_leaf().items()}
 
 
 # --- one call's inputs: skipped, and the run equals the run without that call ---------------
@@ -163,7 +163,7 @@ def test_a_poisoned_input_of_one_call_is_skipped_and_leaves_no_trace(problem, wh
   assert all(is_all_zero(u) for u in jax.tree.leaves(history[POISONED_STEP]))
   assert int(osf.skipped_steps(state)) == 1
   assert _nonfinite_counts(state) == blamed
-  assert {k: int(v) for k, v in state.last_nonfinite_step.items()} == {
+  assert {k: int(v) for k, v in state.last_nonfinite_step.per_leaf().items()} == {
       k: POISONED_STEP if n else -1 for k, n in blamed.items()}
   assert_trees_bitwise_equal(params, expected_params)
   assert_trees_bitwise_equal(state.inner_state, expected_state.inner_state)
@@ -426,7 +426,7 @@ def test_params_poisoned_where_a_group_completes_are_skipped_by_the_inner_guard(
   assert int(state.micro_batches.skipped_steps) == 0
   guard = state.inner_state
   assert int(guard.skipped_steps) == 1 and _nonfinite_counts(guard) == {"w": 1, "b": 0}
-  assert int(guard.last_nonfinite_step["w"]) == 1
+  assert int(guard.last_nonfinite_step.per_leaf()["w"]) == 1
 
 
 @pytest.mark.parametrize("poison", sorted(POISONS))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_safefactor._src import checks, counters, numerics, placement, xla_hints
+from optax_safefactor._src import checks, counters, numerics, placement, trees, xla_hints
 
 EveryK = int | Callable[[jax.Array], Any]
 
@@ -177,9 +177,9 @@ def accumulate_gradients(
 
     # The verdict: a NaN or Inf gradient, or a finite one that overflows the sum, makes
     # the sum non-finite. One flag for every leaf (and, on a mesh, every device).
-    leaf_finite = jax.tree.map(lambda acc, grad: xla_hints.finite_by_sum(add(acc, grad)),
-                               state.accumulator, grads)
-    finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite))
+    leaf_finite = trees.flag_vector(jax.tree.leaves(jax.tree.map(
+        lambda acc, grad: xla_hints.finite_by_sum(add(acc, grad)), state.accumulator, grads)))
+    finite = xla_hints.computed_once([leaf_finite])
     emit = finite & (count >= _group_size(every_k, state.applied_steps))
     # A select, never ``(1 - emit) * acc``: a non-finite sum is never written. The new
     # accumulator is written in place of the old one and is what the step reads, so

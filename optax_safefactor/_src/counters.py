@@ -8,16 +8,83 @@ found in any optimizer state by :func:`find_counters`, which every report reads.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_safefactor._src import checks
-from optax_safefactor._src.placement import is_box
+from optax_safefactor._src.placement import is_box, unbox
 from optax_safefactor._src.spikes import init_history
-from optax_safefactor._src.trees import find_all, unzip_leaf_results
+from optax_safefactor._src.trees import find_all
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafCounts:
+  """One int32 count per param leaf, as one vector: a guard's per-leaf counters.
+
+  A vector, not a tree of scalars shaped like the params: the step updates it with one
+  vector operation, and the compiled step has one output for it rather than one per
+  leaf (on trees of hundreds of leaves, the scalars cost more compile time than the
+  rest of the guard). ``treedef`` is the params' structure (a pytree's static part, so
+  not an array): it names the counts, and :meth:`per_leaf` gives them shaped like the
+  params again.
+
+  Attributes:
+    counts: int32 array of shape ``(number of param leaves,)``, in the params' leaf order.
+    treedef: the structure of the params (boxed params such as ``nnx.Param`` are leaves).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_safefactor as osf
+    >>> tx = osf.safefactor(learning_rate=0.1)
+    >>> params = {"b": jnp.zeros(3), "w": jnp.ones((2, 3))}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"b": jnp.zeros(3), "w": jnp.full((2, 3), jnp.nan)}, state,
+    ...                      params)
+    >>> state.nonfinite_steps.counts
+    Array([0, 1], dtype=int32)
+    >>> state.nonfinite_steps.per_leaf()["w"], state.nonfinite_steps.names()
+    (Array(1, dtype=int32), ["params['b']", "params['w']"])
+  """
+
+  counts: jax.Array
+  treedef: Any
+
+  def names(self) -> list[str]:
+    """Each count's parameter path (``params['dense']['kernel']``), in order."""
+    return [checks.path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+        self.treedef.unflatten([0] * self.treedef.num_leaves))[0]]
+
+  def per_leaf(self) -> Any:
+    """The counts shaped like the params: an int32 scalar per leaf (for abstract counts,
+    a ``jax.ShapeDtypeStruct`` per leaf, placed as the vector is)."""
+    counts = unbox(self.counts)
+    if isinstance(counts, jax.ShapeDtypeStruct):
+      sharding = counts.sharding
+      if isinstance(sharding, jax.sharding.NamedSharding):  # the vector is replicated
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+      scalar = jax.ShapeDtypeStruct((), counts.dtype, sharding=sharding)
+      return self.treedef.unflatten([scalar] * self.treedef.num_leaves)
+    return self.treedef.unflatten([counts[i] for i in range(self.treedef.num_leaves)])
+
+  def host_values(self) -> dict[str, int]:
+    """The counts as host ints by parameter path."""
+    return dict(zip(self.names(), np.asarray(unbox(self.counts)).tolist(), strict=True))
+
+  @classmethod
+  def from_per_leaf(cls, tree: Any) -> LeafCounts:
+    """The vector of a tree of int32 scalars (the per-leaf layout of earlier releases)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_box)
+    counts = (jnp.stack([jnp.asarray(unbox(x), jnp.int32) for x in leaves]) if leaves
+              else jnp.zeros([0], jnp.int32))
+    return cls(counts, treedef)
+
+
+jax.tree_util.register_dataclass(LeafCounts, data_fields=["counts"], meta_fields=["treedef"])
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -29,9 +96,9 @@ class SkipNonfiniteState(NamedTuple):
     consecutive_skips: skipped steps since the last applied one (int32).
     step: number of ``update`` calls, applied or skipped (int32).
     nonfinite_steps: per leaf, the number of steps in which that leaf's output
-      was non-finite (int32 scalars, shaped like the params).
+      was non-finite (a :class:`LeafCounts`).
     last_nonfinite_step: per leaf, the value of ``step`` the last time that leaf
-      was non-finite, or -1 (int32 scalars, shaped like the params).
+      was non-finite, or -1 (a :class:`LeafCounts`).
     spikes: with ``skip_spikes``, the spike rule's :class:`SpikeHistory` (its skipped
       spikes are counted in ``skipped_steps`` too, never in ``consecutive_skips``);
       ``None`` without.
@@ -59,9 +126,9 @@ class MicroBatchCounters(NamedTuple):
     consecutive_skips: skipped micro-batches since the last finite one (int32).
     step: number of micro-batches seen, finite or not (int32).
     nonfinite_steps: per leaf, the number of micro-batches in which that leaf was
-      non-finite (int32 scalars, shaped like the params).
+      non-finite (a :class:`LeafCounts`).
     last_nonfinite_step: per leaf, the value of ``step`` the last time that leaf was
-      non-finite, or -1 (int32 scalars, shaped like the params).
+      non-finite, or -1 (a :class:`LeafCounts`).
   """
 
   skipped_steps: jax.Array
@@ -75,10 +142,20 @@ class MicroBatchCounters(NamedTuple):
 COUNTER_TYPES = (SkipNonfiniteState, MicroBatchCounters)
 
 
-def per_leaf_counters(params: Any, value: int) -> Any:
-  """One int32 scalar per param leaf (plain, even for boxed params: a param's sharding
-  does not fit a scalar counter)."""
-  return jax.tree.map(lambda _: jnp.asarray(value, jnp.int32), params, is_leaf=is_box)
+def per_leaf_counters(params: Any, value: int) -> LeafCounts:
+  """One int32 count per param leaf, each at ``value`` (a plain array, even for boxed
+  params: a param's sharding does not fit the counts)."""
+  treedef = jax.tree.structure(params, is_leaf=is_box)
+  if _stands_in_for_params(params, treedef):
+    # optax.tree.map_params inits with a leafless object in place of the params and maps
+    # its function over what stands where that object lands: here, the counts.
+    return params
+  return LeafCounts(jnp.full([treedef.num_leaves], value, jnp.int32), treedef)
+
+
+def _stands_in_for_params(params: Any, treedef: Any) -> bool:
+  return (treedef.num_leaves == 0 and treedef.num_nodes == 1 and params is not None
+          and not isinstance(params, (dict, list, tuple)))
 
 
 def _zero_counts(params: Any) -> dict[str, Any]:
@@ -107,27 +184,29 @@ def init_micro_batch_counters(params: Any) -> MicroBatchCounters:
 Counters = TypeVar("Counters", SkipNonfiniteState, MicroBatchCounters)
 
 
-def count_call(counters: Counters, leaf_finite: Any, call_finite: jax.Array,
+def count_call(counters: Counters, leaf_finite: jax.Array, call_finite: jax.Array,
                spike_skipped: jax.Array | None = None) -> Counters:
   """``counters`` after one more ``update`` call whose verdict is ``call_finite``.
 
   ``counters`` is a :class:`SkipNonfiniteState` or a :class:`MicroBatchCounters`;
-  ``leaf_finite`` has one scalar bool per param leaf. ``call_finite`` is False for any
-  skipped call; ``spike_skipped`` (when given) is True where the call was skipped as a
-  spike, which counts in ``skipped_steps`` but leaves ``consecutive_skips``, the run of
-  non-finite skips, as it was. Nothing but the counters changes.
+  ``leaf_finite`` is a bool vector, one flag per param leaf in the params' leaf order
+  (``xla_hints.flag_vector``). ``call_finite`` is False for any skipped call;
+  ``spike_skipped`` (when given) is True where the call was skipped as a spike, which
+  counts in ``skipped_steps`` but leaves ``consecutive_skips``, the run of non-finite
+  skips, as it was. Nothing but the counters changes.
   """
   checks.check_counters(counters, MicroBatchCounters._fields)
-
-  def count_leaf(count, last, finite):
-    return (
-        jnp.where(finite, count, optax.safe_increment(count)),
-        jnp.where(finite, last, counters.step),
-    )
-
-  counted = jax.tree.map(count_leaf, counters.nonfinite_steps, counters.last_nonfinite_step,
-                         leaf_finite)
-  nonfinite_steps, last_nonfinite_step = unzip_leaf_results(counters.nonfinite_steps, counted, 2)
+  counts, last = counters.nonfinite_steps, counters.last_nonfinite_step
+  if not isinstance(counts, LeafCounts) or not isinstance(last, LeafCounts):
+    raise TypeError(
+        f"{type(counters).__name__}.nonfinite_steps and .last_nonfinite_step must be "
+        f"LeafCounts, got {type(counts).__name__}: a state in the per-leaf layout of "
+        "optax_safefactor 0.2 (trees shaped like the params); convert it with "
+        "osf.migrate_from_0_2(opt_state)")
+  if leaf_finite.shape != counts.counts.shape:
+    raise ValueError(
+        f"the optimizer state counts {counts.counts.shape[0]} param leaves, but this update "
+        f"has {leaf_finite.shape[0]}; make the state with init on these params")
   return counters._replace(
       skipped_steps=jnp.where(
           call_finite, counters.skipped_steps, optax.safe_increment(counters.skipped_steps)
@@ -139,10 +218,11 @@ def count_call(counters: Counters, leaf_finite: Any, call_finite: jax.Array,
                          optax.safe_increment(counters.consecutive_skips)),
       ),
       step=optax.safe_increment(counters.step),
-      nonfinite_steps=nonfinite_steps,
-      last_nonfinite_step=last_nonfinite_step,
+      nonfinite_steps=dataclasses.replace(counts, counts=jnp.where(
+          leaf_finite, counts.counts, optax.safe_increment(counts.counts))),
+      last_nonfinite_step=dataclasses.replace(last, counts=jnp.where(
+          leaf_finite, last.counts, counters.step)),
   )
-
 
 
 def find_counters(opt_state: Any) -> list[SkipNonfiniteState | MicroBatchCounters]:

@@ -40,7 +40,7 @@ from optax_safefactor._src import checks, numerics, reports, spikes, xla_hints
 from optax_safefactor._src.checked_mode import needs_checkify
 from optax_safefactor._src.counters import SkipNonfiniteState, count_call, init_guarded
 from optax_safefactor._src.kernel import abs_sq
-from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
+from optax_safefactor._src.trees import flag_vector, keep_unless_skipped, zero_if_skipped
 
 
 def _raise_if_over(consecutive, step, leaf_finite, *, leaf_names, max_consecutive) -> None:
@@ -51,7 +51,8 @@ def _raise_if_over(consecutive, step, leaf_finite, *, leaf_names, max_consecutiv
     raise reports.nonfinite_steps_error(int(consecutive), int(step), bad, max_consecutive)
 
 
-def _stop_after_max_consecutive(consecutive, step, leaf_finite, max_consecutive) -> None:
+def _stop_after_max_consecutive(consecutive, step, leaf_finite, leaf_names,
+                                max_consecutive) -> None:
   """Raise :class:`NonFiniteStepsError` once ``max_consecutive`` steps in a row were skipped.
 
   Eagerly the error is raised here, as itself. Under ``jax.jit`` it is raised on the
@@ -59,22 +60,20 @@ def _stop_after_max_consecutive(consecutive, step, leaf_finite, max_consecutive)
   message carries this one); :func:`check_nonfinite_steps` between steps raises the
   type itself from the state.
   """
-  flat = jax.tree_util.tree_flatten_with_path(leaf_finite)[0]
-  raise_if_over = partial(_raise_if_over, leaf_names=[checks.path_name(p) for p, _ in flat],
+  raise_if_over = partial(_raise_if_over, leaf_names=leaf_names,
                           max_consecutive=max_consecutive)
-  finite_vector = jnp.stack([finite for _, finite in flat]) if flat else jnp.zeros([0], bool)
   if not isinstance(consecutive, jax.core.Tracer):
-    raise_if_over(consecutive, step, finite_vector)
+    raise_if_over(consecutive, step, leaf_finite)
     return
   jax.lax.cond(consecutive >= max_consecutive,
-               lambda: jax.debug.callback(raise_if_over, consecutive, step, finite_vector),
+               lambda: jax.debug.callback(raise_if_over, consecutive, step, leaf_finite),
                lambda: None)
 
 
 def record_step(
     state: SkipNonfiniteState,
     new_inner_state: Any,
-    leaf_finite: Any,
+    leaf_finite: jax.Array,
     step_finite: jax.Array,
     *,
     max_consecutive: int | None,
@@ -85,7 +84,8 @@ def record_step(
 
   ``new_inner_state`` must already be the old inner state where the step is skipped
   (non-finite, or a spike by ``spike``, the verdict of :func:`spikes.judge` when spike
-  skipping is on); ``leaf_finite`` has one scalar bool per param leaf.
+  skipping is on); ``leaf_finite`` is a bool vector, one flag per param leaf in the
+  params' leaf order.
   """
   if spike is None:
     counted = count_call(state, leaf_finite, step_finite)
@@ -93,16 +93,18 @@ def record_step(
     counted = count_call(state, leaf_finite, step_finite & ~spike.skip, spike.skip)
     counted = counted._replace(spikes=spikes.record(state.spikes, spike, step_finite,
                                                     state.step))
+  if checked or max_consecutive is not None:
+    leaf_names = state.nonfinite_steps.names()
   if checked:
-    for path, finite in jax.tree_util.tree_flatten_with_path(leaf_finite)[0]:
+    for index, name in enumerate(leaf_names):
       checkify.check(
-          needs_checkify(finite),
-          f"{checks.path_name(path)}: non-finite gradient, update or optimizer "
+          needs_checkify(leaf_finite[index]),
+          f"{name}: non-finite gradient, update or optimizer "
           "state at step {step}; the step was skipped", step=state.step,
       )
   if max_consecutive is not None:
     _stop_after_max_consecutive(counted.consecutive_skips, state.step, leaf_finite,
-                                max_consecutive)
+                                leaf_names, max_consecutive)
   return counted._replace(inner_state=new_inner_state)
 
 
@@ -125,8 +127,9 @@ def check_spike_state(state: SkipNonfiniteState, skip_spikes: Any,
                      f"was built with spike_window={int(spike_window)}")
 
 
-def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> Any:
-  """Per-leaf finiteness of any transformation's outputs: one reduction over each.
+def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> jax.Array:
+  """Per-leaf finiteness of any transformation's outputs, one reduction over each, as a
+  bool vector in the updates' leaf order.
 
   Parts of the state shaped like the updates (Adam's ``mu`` and ``nu``, say) are
   charged to their leaf; any other non-finite state is charged to every leaf.
@@ -148,7 +151,7 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> Any:
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
     return jnp.all(jnp.stack(finite)) & unattributed if finite else unattributed
 
-  return jax.tree.map(leaf_finite, new_updates, *shaped)
+  return flag_vector(jax.tree.leaves(jax.tree.map(leaf_finite, new_updates, *shaped)))
 
 
 def _square_sums(grads: Any) -> jax.Array:
@@ -257,7 +260,7 @@ def skip_nonfinite(
     loss = spikes.check_value(extra_args.get("value")) if skip_spikes is not None else None
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     leaf_finite = _leaf_finite_from_outputs(new_updates, new_inner)
-    step_finite = xla_hints.computed_once(jax.tree.leaves(leaf_finite))
+    step_finite = xla_hints.computed_once([leaf_finite])
     spike, applied = None, step_finite
     if skip_spikes is not None:
       spike = spikes.judge(state.spikes, _square_sums(updates), loss, skip_spikes, step_finite)

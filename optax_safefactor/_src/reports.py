@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_safefactor._src import checks, counters, spikes
-from optax_safefactor._src.placement import is_box, unbox
+from optax_safefactor._src.placement import unbox
 
 
 class NonFiniteStepsError(FloatingPointError):
@@ -114,11 +114,6 @@ def _kind(found: counters.SkipNonfiniteState | counters.MicroBatchCounters) -> s
   return "micro_batches" if isinstance(found, counters.MicroBatchCounters) else "steps"
 
 
-def _per_leaf_ints(tree: Any) -> dict[str, int]:
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
-  return {checks.path_name(path): int(unbox(value)) for path, value in flat}
-
-
 def _spike_record(history: Any, leaf_names: list[str]) -> SpikeRecord | None:
   if history is None:
     return None
@@ -146,13 +141,13 @@ def guard_records(opt_state: Any) -> list[GuardRecord]:
   """
   records = []
   for guard in counters.find_counters(opt_state):
-    nonfinite = _per_leaf_ints(guard.nonfinite_steps)
+    nonfinite = guard.nonfinite_steps.host_values()
     records.append(GuardRecord(
         skipped=int(unbox(guard.skipped_steps)),
         consecutive=int(unbox(guard.consecutive_skips)),
         calls=int(unbox(guard.step)),
         nonfinite=nonfinite,
-        last_nonfinite=_per_leaf_ints(guard.last_nonfinite_step),
+        last_nonfinite=guard.last_nonfinite_step.host_values(),
         kind=_kind(guard),
         spikes=_spike_record(getattr(guard, "spikes", None), list(nonfinite)),
     ))

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_safefactor._src import (
@@ -32,7 +33,7 @@ from optax_safefactor._src import (
 )
 from optax_safefactor._src.hyperparams import Hyperparams, momentum_dtype
 from optax_safefactor._src.plan import Planner
-from optax_safefactor._src.trees import keep_unless_skipped, unzip_leaf_results
+from optax_safefactor._src.trees import flag_vector, keep_unless_skipped, unzip_leaf_results
 
 
 class AdafactorState(NamedTuple):
@@ -187,10 +188,13 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
           flat[index] = member
       return flat
 
-    unit_finite = [finite for _, _, finite in first_half]
-    leaf_finite = jax.tree.unflatten(jax.tree.structure(updates),
-                                     per_leaf(unit_finite, packing.rows))
-    step_finite = xla_hints.computed_once(unit_finite) if guarded else None
+    # The flags as one vector in unit order (a packed unit brings one per row), then in
+    # the leaves' order for the counters: one gather where packing reordered them.
+    finite_by_unit = flag_vector([finite for _, _, finite in first_half])
+    unit_order = [index for unit in units for index in unit.group.members]
+    leaf_finite = (finite_by_unit if unit_order == sorted(unit_order)
+                   else finite_by_unit[np.argsort(unit_order)])
+    step_finite = xla_hints.computed_once([finite_by_unit]) if guarded else None
     spike, applied = None, step_finite
     if guarded and hp.skip_spikes is not None:
       terms = per_leaf([scaling.square_terms for _, scaling, _ in first_half],

@@ -96,3 +96,12 @@ def check_prefix_of(prefix: Any, full: Any, prefix_name: str, full_name: str = "
       f"{prefix_name} does not match {full_name} (it may stop above {full_name}' leaves): "
       + "; ".join(details)
   )
+
+
+def flag_vector(flags: list[jax.Array]) -> jax.Array:
+  """Scalar flags, or vectors of them (one per packed leaf), as one bool vector."""
+  if not flags:
+    return jnp.zeros([0], bool)
+  if all(jnp.ndim(flag) == 0 for flag in flags):
+    return jnp.stack(flags)
+  return jnp.concatenate([jnp.ravel(flag) for flag in flags])

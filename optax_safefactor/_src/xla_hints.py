@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 
+from optax_safefactor._src import trees
+
 T = TypeVar("T")
 
 
@@ -40,7 +42,7 @@ def fresh_read(value: T) -> T:
 
 
 def computed_once(bools: list[jax.Array]) -> jax.Array:
-  """All of ``bools`` (scalars, or arrays of flags: one per packed leaf), as one scalar
+  """All of ``bools`` (scalars, or vectors of flags: one per leaf), as one scalar
   that XLA computes once rather than per consumer.
 
   Every leaf's output reads the step's skip flag. A plain ``and`` of the leaves'
@@ -53,11 +55,7 @@ def computed_once(bools: list[jax.Array]) -> jax.Array:
   """
   if not bools:
     return jnp.array(True)
-  counts = [jnp.where(b, 0.0, 1.0) for b in bools]
-  if all(count.ndim == 0 for count in counts):
-    counts = jnp.stack(counts)
-  else:  # leaves packed as rows bring one flag per row
-    counts = jnp.concatenate([jnp.ravel(count) for count in counts])
+  counts = jnp.where(trees.flag_vector(bools), 0.0, 1.0)
   bad = jnp.sum(counts.astype(jnp.float32))
   return jnp.exp(-bad) > 0.5
 
