@@ -19,7 +19,7 @@ import optax
 from optax_safefactor._src import checks
 from optax_safefactor._src.placement import is_box, unbox
 from optax_safefactor._src.spikes import init_history
-from optax_safefactor._src.trees import find_all
+from optax_safefactor._src.trees import find_all, select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +218,9 @@ def count_call(counters: Counters, leaf_finite: jax.Array, call_finite: jax.Arra
                          optax.safe_increment(counters.consecutive_skips)),
       ),
       step=optax.safe_increment(counters.step),
-      nonfinite_steps=dataclasses.replace(counts, counts=jnp.where(
+      nonfinite_steps=dataclasses.replace(counts, counts=select(
           leaf_finite, counts.counts, optax.safe_increment(counts.counts))),
-      last_nonfinite_step=dataclasses.replace(last, counts=jnp.where(
+      last_nonfinite_step=dataclasses.replace(last, counts=select(
           leaf_finite, last.counts, counters.step)),
   )
 

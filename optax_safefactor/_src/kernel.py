@@ -42,7 +42,7 @@ from optax_safefactor._src.placement import LeafPlacement
 from optax_safefactor._src.plan import FactorPlan
 from optax_safefactor._src.schedules import StepValues
 from optax_safefactor._src.spikes import GRADIENT_KEPT_UP_TO, SquareSource
-from optax_safefactor._src.trees import keep_unless_skipped, zero_if_skipped
+from optax_safefactor._src.trees import keep_unless_skipped, select, zero_if_skipped
 from optax_safefactor._src.write_back import Rounding, is_narrow, store, write_back
 
 
@@ -262,7 +262,7 @@ def parameter_scale(rms: jax.Array, min_scale: Any, max_scale: Any | None) -> ja
   """
   real_ct = rms.dtype
   min_scale = jnp.asarray(min_scale, real_ct)
-  scale = jnp.where(rms <= min_scale, min_scale, rms)
+  scale = select(~(rms <= min_scale), rms, min_scale)  # NaN stays NaN
   if max_scale is not None:
     scale = jnp.minimum(scale, jnp.asarray(max_scale, real_ct))
   return scale
@@ -280,7 +280,7 @@ def decoupled_weight_decay(
   r""":math:`u + \lambda p` (where ``mask`` is True, when one is given)."""
   decay = rate.astype(update.dtype) * param.astype(update.dtype)
   if mask is not None:
-    decay = jnp.where(mask, decay, jnp.zeros((), update.dtype))
+    decay = select(mask, decay, 0)
   return update + decay
 
 

@@ -73,7 +73,7 @@ def unmergeable(step_finite: jax.Array | None, small: Any) -> Any:
   """
   if step_finite is None:
     return jax.lax.optimization_barrier(small)
-  return jax.tree.map(lambda x: jnp.where(step_finite, x, jnp.zeros((), x.dtype)), small)
+  return jax.tree.map(lambda x: trees.select(step_finite, x, 0), small)
 
 
 def nan_unless_finite(*xs: jax.Array) -> jax.Array:

@@ -88,14 +88,17 @@ def minimum_traffic_bytes(params: dict, momentum: bool) -> int:
 COPY = "scale-copy"
 
 
+# The settings each optimizer is measured with (every row is one of these).
+CONFIGS = {
+    "default": dict(learning_rate=1e-3),
+    "momentum": dict(learning_rate=1e-3, momentum=0.9),
+}
+
+
 def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[dict]:
   params, grads = trees.params_and_grads(tree, scale, dtype_name)
-  configs = {
-      "default": dict(learning_rate=1e-3),
-      "momentum": dict(learning_rate=1e-3, momentum=0.9),
-  }
   candidates = {}
-  for config_name, config in configs.items():
+  for config_name, config in CONFIGS.items():
     candidates[("optax.adafactor", config_name)] = optax.adafactor(**config)
     candidates[("safefactor", config_name)] = osf.safefactor(**config)
     candidates[("safefactor, guard off", config_name)] = osf.safefactor(
