@@ -399,14 +399,6 @@ def leaf_scaling(
   return new_moment, LeafScaling(factors, multiplier, square_terms), finite
 
 
-def _gated(step_finite: jax.Array | None, scale: ScaleFactors) -> ScaleFactors:
-  """The factors zeroed on a skipped step (the cap is a constant and needs no gate)."""
-  if step_finite is None:
-    return xla_hints.unmergeable(None, scale)
-  factors, poison = xla_hints.unmergeable(step_finite, (scale.factors, scale.poison))
-  return ScaleFactors(factors, scale.cap, poison)
-
-
 def leaf_update(
     hp: Hyperparams, step: StepValues, step_finite: jax.Array | None, grad: jax.Array,
     leaf: Leaf, scaling: LeafScaling, momentum: jax.Array | None,
@@ -421,7 +413,7 @@ def leaf_update(
     ``(update, new_momentum, new_compensation)``; the update is in the gradient's dtype.
   """
   ct = leaf.compute_dtype
-  update = scale_by_factors(grad.astype(ct), _gated(step_finite, scaling.factors))
+  update = scale_by_factors(grad.astype(ct), xla_hints.unmergeable(scaling.factors))
   if scaling.multiplier is not None:
     update = update * scaling.multiplier.astype(ct)
   new_momentum = None

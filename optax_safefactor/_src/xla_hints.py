@@ -60,20 +60,20 @@ def computed_once(bools: list[jax.Array]) -> jax.Array:
   return jnp.exp(-bad) > 0.5
 
 
-def unmergeable(step_finite: jax.Array | None, small: Any) -> Any:
-  """Small arrays (scale factors) gated by the skip flag, as new values.
+def unmergeable(small: Any) -> Any:
+  """Small arrays (scale factors), as new values.
 
   The final update is scaled again from the gradient and the small factors rather
   than kept from the clipping pass, so that the full-size scaled gradient has one
-  reader and lives for one reduction. Gating the factors (or, without a flag, passing
-  them through a barrier) makes them new values, so XLA cannot merge the two
-  scalings back into one kept full-size array.
+  reader and lives for one reduction. Passing the factors through a barrier makes them
+  new values, so XLA cannot merge the two scalings back into one kept full-size array.
+  One barrier, guard or no guard: gating the factors with the skip flag instead (a
+  select per factor array, which the final select on the update makes redundant) cost
+  compile time on trees of hundreds of leaves.
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
   """
-  if step_finite is None:
-    return jax.lax.optimization_barrier(small)
-  return jax.tree.map(lambda x: trees.select(step_finite, x, 0), small)
+  return jax.lax.optimization_barrier(small)
 
 
 def nan_unless_finite(*xs: jax.Array) -> jax.Array:
