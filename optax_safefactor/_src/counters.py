@@ -30,7 +30,7 @@ class LeafCounts:
   vector operation, and the compiled step has one output for it rather than one per
   leaf (on trees of hundreds of leaves, the scalars cost more compile time than the
   rest of the guard). ``treedef`` is the params' structure (a pytree's static part, so
-  not an array): it names the counts, and :meth:`per_leaf` gives them shaped like the
+  not an array): it names the counts, and ``per_leaf()`` gives them shaped like the
   params again.
 
   Attributes:
