@@ -37,14 +37,25 @@ def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def test_resume_from_checkpoint_is_bit_identical(tmp_path):
-  tx = _tx()
+def _trained(tx, steps):
+  """Params and state after ``steps`` steps from a seeded start."""
   rng = np.random.default_rng(0)
   params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
-  params, state = _steps(tx, params, tx.init(params), 0, 3)
+  return _steps(tx, params, tx.init(params), 0, steps)
+
+
+def _saved(path, tree):
+  """A checkpointer that has finished writing ``tree`` at ``path``."""
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "step3", {"params": params, "opt_state": state})
+  checkpointer.save(path, tree)
   checkpointer.wait_until_finished()
+  return checkpointer
+
+
+def test_resume_from_checkpoint_is_bit_identical(tmp_path):
+  tx = _tx()
+  params, state = _trained(tx, 3)
+  checkpointer = _saved(tmp_path / "step3", {"params": params, "opt_state": state})
 
   uninterrupted = _steps(tx, params, state, 3, 8)
   restored = checkpointer.restore(tmp_path / "step3",
@@ -59,13 +70,9 @@ def test_a_0_2_checkpoint_restores_and_migrates(tmp_path):
   # Release 0.2 wrote the per-leaf counters as trees shaped like the params: restore into
   # that layout's target, migrate, and the run goes on bit for bit.
   tx = _tx()
-  rng = np.random.default_rng(0)
-  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
-  params, state = _steps(tx, params, tx.init(params), 0, 5)
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "step5",
-                    {"params": params, "opt_state": osf.state_in_0_2_layout(state)})
-  checkpointer.wait_until_finished()
+  params, state = _trained(tx, 5)
+  checkpointer = _saved(tmp_path / "step5",
+                        {"params": params, "opt_state": osf.state_in_0_2_layout(state)})
 
   uninterrupted = _steps(tx, params, state, 5, 8)
   target = {"params": params, "opt_state": osf.state_in_0_2_layout(tx.init(params))}
@@ -86,9 +93,7 @@ def test_restore_onto_another_mesh(tmp_path):
   with jax.set_mesh(save_mesh):
     params = {k: jax.device_put(v, NamedSharding(save_mesh, SPECS[k])) for k, v in values.items()}
     params, state = _steps(tx, params, tx.init(params), 0, 3)
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
-  checkpointer.wait_until_finished()
+  checkpointer = _saved(tmp_path / "ckpt", {"params": params, "opt_state": state})
 
   restore_mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   abstract_params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
