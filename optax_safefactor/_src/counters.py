@@ -79,9 +79,7 @@ class LeafCounts:
   def from_per_leaf(cls, tree: Any) -> LeafCounts:
     """The vector of a tree of int32 scalars (the per-leaf layout of earlier releases)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_box)
-    counts = (jnp.stack([jnp.asarray(unbox(x), jnp.int32) for x in leaves]) if leaves
-              else jnp.zeros([0], jnp.int32))
-    return cls(counts, treedef)
+    return cls(jnp.asarray([unbox(x) for x in leaves], jnp.int32), treedef)
 
 
 jax.tree_util.register_dataclass(LeafCounts, data_fields=["counts"], meta_fields=["treedef"])
