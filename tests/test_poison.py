@@ -250,6 +250,11 @@ def _safefactor_state_problem():
   return osf.safefactor(0.05, min_dim_size_to_factor=2, momentum=0.9, param_rounding="kahan")
 
 
+def _unclipped_state_problem():
+  # Without clipping the momentum's finiteness has a reduction of its own.
+  return osf.safefactor(0.05, min_dim_size_to_factor=2, momentum=0.9, clipping_threshold=None)
+
+
 def _adam_state_problem():
   return osf.skip_nonfinite(optax.adam(0.05))
 
@@ -279,6 +284,8 @@ STATE_CASES = {
     # Guards against a momentum or a compensation that the step blends into the update
     # unchecked: both gave NaN updates, counted as applied.
     "momentum": (_safefactor_state_problem, jnp.bfloat16, ("inner_state", "momentum", "w")),
+    "momentum_unclipped": (_unclipped_state_problem, jnp.float32,
+                           ("inner_state", "momentum", "w")),
     "kahan_compensation": (_safefactor_state_problem, jnp.bfloat16,
                            ("inner_state", "compensation", "w")),
     # skip_nonfinite reads every floating leaf of the new state: an Inf second moment

@@ -364,8 +364,14 @@ def leaf_scaling(
   def times(factor):
     return factor if multiplier is None else multiplier * factor
 
+  # The old momentum is blended into the update, so NaN there must skip the step. With
+  # clipping its finiteness rides on the clipping reduction, which reads the scaled
+  # gradient anyway: no reduction of its own (tests/test_compile.py).
+  momentum_on_clipping = clipping and momentum is not None
   if clipping:
     scaled = scale_by_factors(xla_hints.fresh_read(grad).astype(ct), factors)
+    if momentum_on_clipping:
+      scaled = scaled + xla_hints.nan_unless_finite(momentum.astype(ct))
     mean_square = mean_abs_sq(scaled, plan.batch_axes)
     checked.append(mean_square)
     multiplier = times(clipping_multiplier(mean_square, hp.clipping_threshold))
@@ -384,11 +390,12 @@ def leaf_scaling(
   if decays:
     # A schedule's NaN rate would make ``rate * param`` NaN, as a NaN learning rate would.
     finite &= jnp.isfinite(jnp.asarray(step.weight_decay_rate, real_ct))
-  # The old momentum and compensation are blended into the update: NaN there is NaN in it.
-  # A sum fuses into the read of a state in the compute dtype, where all(isfinite) writes a
-  # boolean temporary per leaf on the CPU backend; for a narrower state the sum's upcast is
-  # written out in full instead, and all(isfinite) is the cheaper (measured temporaries).
-  for state in (momentum, compensation):
+  # The old momentum (without clipping) and compensation are blended into the update: NaN
+  # there is NaN in it. A sum fuses into the read of a state in the compute dtype, where
+  # all(isfinite) writes a boolean temporary per leaf on the CPU backend; for a narrower
+  # state the sum's upcast is written out in full instead, and all(isfinite) is the
+  # cheaper (measured temporaries).
+  for state in (None if momentum_on_clipping else momentum, compensation):
     if state is not None:
       finite &= (xla_hints.finite_by_sum(state, per_row) if np.dtype(state.dtype) == ct
                  else numerics.all_finite(state, per_row=per_row))
