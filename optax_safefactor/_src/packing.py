@@ -50,6 +50,14 @@ PACKED_UP_TO = 16384
 #: 64 stepped slightly faster on the CPU but compiled slower.
 ROWS_PER_GROUP = 4
 
+#: Leaves that could share a group are packed only when there are at least this many of
+#: them. A packed kind of leaf brings kernels of its own (packing, the group's step, the
+#: readers of its rows), where leaves stepped alone share one set of kernels for every leaf
+#: of their shape; only the leaves beyond one per group save the compiler work. Measured on
+#: GPT-2 small with momentum (docs/benchmarks.md, "Packing"): its two kinds of 12 biases
+#: cost more compile time packed than alone, its 97 vectors of 768 saved more than they cost.
+MIN_LEAVES_TO_PACK = 16
+
 # The packed array's rows are its leaves: the row axis is a batch axis, so every
 # reduction of the step (clipping, parameter scale) is per row.
 ROWS_PLAN = FactorPlan(row_axes=(), col_axes=(), batch_axes=(0,))
@@ -117,7 +125,11 @@ def _key(grad: Any, leaf: kernel.Leaf, moment: Any, param: Any, momentum: Any,
 
 def find_groups(grads: list, leaves: list, moments: list, params: list, momenta: list,
                 compensations: list) -> list[Group]:
-  """The groups of two or more leaves that are stepped together, in leaf order."""
+  """The groups of two or more leaves that are stepped together, in leaf order.
+
+  Leaves that can share a step form a kind; a kind of fewer than ``MIN_LEAVES_TO_PACK``
+  leaves is not packed.
+  """
   by_key: dict[tuple, list[int]] = {}
   for index, parts in enumerate(zip(grads, leaves, moments, params, momenta, compensations,
                                     strict=True)):
@@ -126,6 +138,8 @@ def find_groups(grads: list, leaves: list, moments: list, params: list, momenta:
       by_key.setdefault(key, []).append(index)
   groups = []
   for members in by_key.values():
+    if len(members) < MIN_LEAVES_TO_PACK:
+      continue
     for start in range(0, len(members), ROWS_PER_GROUP):
       chunk = members[start:start + ROWS_PER_GROUP]
       if len(chunk) > 1:
@@ -141,11 +155,16 @@ def pack(group: Group, arrays: list) -> Any:
   return jnp.stack([jnp.ravel(x) for x in parts])
 
 
-def unpack(group: Group, packed: Any) -> list:
-  """The rows of ``packed`` back in their leaves' shapes (``None`` for ``None``)."""
+def unpack(group: Group, packed: Any, row_index: list) -> list:
+  """The rows of ``packed`` back in their leaves' shapes (``None`` for ``None``).
+
+  Row ``r`` is read at ``row_index[r]``, an index known only at run time
+  (``xla_hints.row_indices``), so that reading it is the same kernel for every row.
+  """
   if packed is None:
     return [None] * len(group.members)
-  return [packed[row].reshape(shape) for row, shape in enumerate(group.shapes)]
+  return [jax.lax.dynamic_slice_in_dim(packed, row_index[row], 1).reshape(shape)
+          for row, shape in enumerate(group.shapes)]
 
 
 def packed_leaf(group: Group, leaves: list[kernel.Leaf]) -> kernel.Leaf:
@@ -194,13 +213,13 @@ def gather(unit: Unit, column: list) -> Any:
   return pack(unit.group, column)
 
 
-def scatter(unit: Unit, value: Any) -> list:
-  """The per-leaf values of a unit's result, in its members' order."""
+def scatter(unit: Unit, value: Any, row_index: list) -> list:
+  """The per-leaf values of a unit's result, in its members' order (``unpack``)."""
   if not unit.packed:
     return [value]
   if isinstance(value, kernel.FullMoment):
-    return [kernel.FullMoment(v) for v in unpack(unit.group, value.v)]
-  return unpack(unit.group, value)
+    return [kernel.FullMoment(v) for v in unpack(unit.group, value.v, row_index)]
+  return unpack(unit.group, value, row_index)
 
 
 def rows(unit: Unit, value: jax.Array) -> list:

@@ -213,9 +213,12 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     kept_second = [jax.tree.map(partial(keep_unless_skipped, applied), new, unit_inputs[2])
                    for (new, _, _), unit_inputs in zip(first_half, inputs, strict=True)]
 
+    row_index = (xla_hints.row_indices(inner.count, packing.ROWS_PER_GROUP)
+                 if any(unit.packed for unit in units) else [])
+
     def tree_of(values_by_unit):
-      return jax.tree.unflatten(jax.tree.structure(updates),
-                                per_leaf(values_by_unit, packing.scatter))
+      return jax.tree.unflatten(jax.tree.structure(updates), per_leaf(
+          values_by_unit, lambda unit, value: packing.scatter(unit, value, row_index)))
 
     new_updates, new_first, new_compensation = [
         tree_of([outputs[k] for outputs in second_half]) for k in range(3)]

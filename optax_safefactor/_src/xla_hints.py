@@ -76,6 +76,27 @@ def unmergeable(small: Any) -> Any:
   return jax.lax.optimization_barrier(small)
 
 
+def row_indices(runtime_scalar: jax.Array, count: int) -> list[jax.Array]:
+  """``0, 1, ..., count - 1`` as int32 scalars that the compiler cannot fold to constants.
+
+  XLA compiles one kernel per distinct fused computation and reuses it for identical
+  ones. A leaf's part of a packed result is read by a slice at its row, which fuses into
+  the kernel that writes the leaf's output: with constant rows, every row is a distinct
+  kernel (for each output and each leaf size). Read by a dynamic slice at an index known
+  only at run time, every row is the same kernel. Each index is ``sqrt(r * r + z)``, with
+  ``z = 0 * runtime_scalar`` (exactly 0 for a finite scalar, which XLA cannot fold for
+  floats) and a square root (exact for a perfect square), an op that XLA computes once
+  rather than copying it into each reader.
+
+  Pinned by ``tests/test_packing.py::test_packed_rows_are_read_by_one_kernel``.
+
+  >>> [int(i) for i in row_indices(jnp.array(7), 3)]
+  [0, 1, 2]
+  """
+  zero = jnp.asarray(runtime_scalar).astype(jnp.float32) * 0.0
+  return [jnp.sqrt(jnp.float32(row * row) + zero).astype(jnp.int32) for row in range(count)]
+
+
 def nan_unless_finite(*xs: jax.Array) -> jax.Array:
   """0 where every ``x`` is finite, NaN where one is not: ``sum(x - x)``, broadcast.
 
