@@ -55,7 +55,7 @@ ROWS_PER_GROUP = 4
 #: readers of its rows), where leaves stepped alone share one set of kernels for every leaf
 #: of their shape; only the leaves beyond one per group save the compiler work. Measured on
 #: GPT-2 small with momentum (docs/benchmarks.md, "Packing"): its two kinds of 12 biases
-#: cost more compile time packed than alone, its 97 vectors of 768 saved more than they cost.
+#: cost more compile time packed than alone, its 73 vectors of 768 saved more than they cost.
 MIN_LEAVES_TO_PACK = 16
 
 # The packed array's rows are its leaves: the row axis is a batch axis, so every
