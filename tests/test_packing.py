@@ -164,7 +164,7 @@ def test_updates_are_within_the_summation_bound(rng, request, dtype, settings):
     request.getfixturevalue("x64")
   params = random_tree(rng, SHAPES, dtype)
   grads = _grads(rng, params, STEPS)
-  packed_tx = osf.safefactor(**settings)
+  packed_tx = osf.safefactor(**settings, pack_small_leaves=True)
   alone_tx = osf.safefactor(**settings, pack_small_leaves=False)
   packed_update, alone_update = jax.jit(packed_tx.update), jax.jit(alone_tx.update)
   state = alone_tx.init(params)
