@@ -78,3 +78,23 @@ def test_unclipped_momentum_is_checked_without_a_full_size_temporary(dtype):
   params = {f"w{i}": jnp.ones((256, 512), dtype) for i in range(12)}
   ours = _temp_bytes(osf.safefactor(1e-3, momentum=0.9, clipping_threshold=None), params)
   assert ours < 0.5 * 4 * 256 * 512, ours
+
+
+def _barriers(params, **settings) -> int:
+  tx = osf.safefactor(1e-3, **settings)
+  hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text(dialect="hlo")
+  return hlo.count(" opt-barrier(")
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_barriers_only_where_values_are_upcast(momentum):
+  # The fresh reads keep XLA from sharing a narrow value's float32 upcast between passes
+  # (test_no_leaf_keeps_a_full_size_temporary). A float32 value has none to share: there a
+  # barrier only adds HLO instructions per leaf that every compiler pass walks.
+  shapes = {"w": (256, 128), "b": (128,)}
+  wide = {name: jnp.ones(shape, jnp.float32) for name, shape in shapes.items()}
+  narrow = {name: jnp.ones(shape, jnp.bfloat16) for name, shape in shapes.items()}
+  # Float32: the factored leaf's two statistics reads, and each leaf's factors.
+  assert _barriers(wide, momentum=momentum) == 3
+  # Bfloat16: besides, each leaf's gradient read for clipping and param read for its scale.
+  assert _barriers(narrow, momentum=momentum) == 7

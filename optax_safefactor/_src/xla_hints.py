@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_safefactor._src import trees
 
@@ -23,21 +24,32 @@ def separate_reads(*values: T) -> tuple[T, ...]:
 
   Each reduction that reads a gradient should read it itself: a square or an upcast
   shared by two reductions is written to a full-size temporary and read back, where
-  separate ones fuse into their reductions.
+  separate ones fuse into their reductions (float32 gradients included: without it,
+  every leaf's square was kept at once).
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
   """
   return jax.lax.optimization_barrier(values)
 
 
-def fresh_read(value: T) -> T:
-  """``value``, as a copy that XLA will not merge with other reads of it.
+def fresh_read(value: jax.Array, dtype: Any) -> jax.Array:
+  """``value`` for an upcast to ``dtype``, as a copy XLA will not merge with other reads.
 
   Used where a full-size upcast would otherwise be shared with a later pass and
-  kept alive across the skip decision.
+  kept alive across the skip decision. A value already in ``dtype`` has no upcast to
+  share: it is returned as it is (the same temporaries with and without a barrier,
+  measured), since each barrier is HLO instructions per leaf that every compiler pass
+  walks.
 
-  Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
+  Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary`` and
+  ``test_barriers_only_where_values_are_upcast``.
+
+  >>> x = jnp.ones(2)
+  >>> fresh_read(x, jnp.float32) is x
+  True
   """
+  if np.dtype(value.dtype) == np.dtype(dtype):
+    return value
   return jax.lax.optimization_barrier(value)
 
 
@@ -66,10 +78,10 @@ def unmergeable(small: Any) -> Any:
   The final update is scaled again from the gradient and the small factors rather
   than kept from the clipping pass, so that the full-size scaled gradient has one
   reader and lives for one reduction. Passing the factors through a barrier makes them
-  new values, so XLA cannot merge the two scalings back into one kept full-size array.
-  One barrier, guard or no guard: gating the factors with the skip flag instead (a
-  select per factor array, which the final select on the update makes redundant) cost
-  compile time on trees of hundreds of leaves.
+  new values, so XLA cannot merge the two scalings back into one kept full-size array
+  (float32 gradients included). One barrier, guard or no guard: gating the factors
+  with the skip flag instead (a select per factor array, which the final select on the
+  update makes redundant) cost compile time on trees of hundreds of leaves.
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
   """
