@@ -43,20 +43,8 @@ def x64():
     jax.config.update("jax_enable_x64", previous)
 
 
-# The slowest test files, slowest first (seconds of one run on the 2-core machine, newest
-# releases). pytest-xdist hands each worker one file at a time in collection order, so with
-# these first the workers end on small files together, instead of one running the demo's
-# 200 seconds alone at the end (longest-first scheduling). An unlisted file keeps its place.
-SLOWEST_FILES = ("test_main.py", "test_presets.py", "test_packing.py", "test_guides.py",
-                 "test_alias.py", "test_guard_wrappings.py", "test_reliability.py",
-                 "test_accumulate.py", "test_differential.py", "test_contract.py",
-                 "test_ecosystems.py", "test_bench.py")
-
-
 def pytest_collection_modifyitems(config, items):
-  """The slowest files first; skip, with the reason, what the installed JAX cannot run."""
-  rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
+  """Skip, with the reason, what the installed JAX cannot run (markers in pyproject.toml)."""
   if jax.__version_info__ < (0, 10, 2):
     skip = pytest.mark.skip(reason=(
         "XLA's CPU memory analysis before JAX 0.10.2 reports the same temporaries for "
