@@ -250,8 +250,7 @@ def param_rms(param: jax.Array, batch_axes: tuple[int, ...], compute_dtype: Any)
   r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in the compute dtype."""
   # Read a narrow param on its own, so the upcast fuses into this reduction and no
   # float32 copy of it is kept for later passes.
-  return jnp.sqrt(mean_abs_sq(xla_hints.fresh_read(param, compute_dtype).astype(compute_dtype),
-                              batch_axes))
+  return jnp.sqrt(mean_abs_sq(xla_hints.fresh_read(param, compute_dtype), batch_axes))
 
 
 def parameter_scale(rms: jax.Array, min_scale: Any, max_scale: Any | None) -> jax.Array:
@@ -369,7 +368,7 @@ def leaf_scaling(
   # gradient anyway: no reduction of its own (tests/test_compile.py).
   momentum_on_clipping = clipping and momentum is not None
   if clipping:
-    scaled = scale_by_factors(xla_hints.fresh_read(grad, ct).astype(ct), factors)
+    scaled = scale_by_factors(xla_hints.fresh_read(grad, ct), factors)
     if momentum_on_clipping:
       scaled = scaled + xla_hints.nan_unless_finite(momentum.astype(ct))
     mean_square = mean_abs_sq(scaled, plan.batch_axes)

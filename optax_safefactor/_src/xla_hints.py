@@ -33,24 +33,23 @@ def separate_reads(*values: T) -> tuple[T, ...]:
 
 
 def fresh_read(value: jax.Array, dtype: Any) -> jax.Array:
-  """``value`` for an upcast to ``dtype``, as a copy XLA will not merge with other reads.
+  """``value.astype(dtype)``, where that is an upcast read from a copy XLA will not merge.
 
   Used where a full-size upcast would otherwise be shared with a later pass and
   kept alive across the skip decision. A value already in ``dtype`` has no upcast to
-  share: it is returned as it is (the same temporaries with and without a barrier,
+  share: it is read as it is (the same temporaries with and without a barrier,
   measured), since each barrier is HLO instructions per leaf that every compiler pass
   walks.
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary`` and
   ``test_barriers_only_where_values_are_upcast``.
 
-  >>> x = jnp.ones(2)
-  >>> fresh_read(x, jnp.float32) is x
-  True
+  >>> fresh_read(jnp.ones(2, jnp.bfloat16), jnp.float32).dtype
+  dtype('float32')
   """
   if np.dtype(value.dtype) == np.dtype(dtype):
     return value
-  return jax.lax.optimization_barrier(value)
+  return jax.lax.optimization_barrier(value).astype(dtype)
 
 
 def computed_once(bools: list[jax.Array]) -> jax.Array:
