@@ -62,11 +62,12 @@ def test_no_leaf_keeps_a_full_size_temporary(guard, momentum, dtype):
   with jax.numpy_dtype_promotion("standard"):  # optax mixes float32 and bfloat16
     theirs = _temp_bytes(optax.adafactor(1e-3, momentum=momentum), params)
   assert theirs > 0.5 * param_bytes  # the layout this guards against
-  # One leaf's float32 scaled gradient lives for its clipping reduction, never more
-  # (README: "at most a leaf's worth"), plus row- and column-sized statistics. Measured:
-  # 1.12 float32 leaves without the guard, 1.19 with it, for every dtype and momentum.
-  # A second full-size temporary adds 0.5 (a bfloat16 copy) or 1.0 (a float32 one).
-  assert ours < 1.25 * float32_leaf, (ours / float32_leaf, ours)
+  # No full-size temporary at all: only row- and column-sized statistics and factors.
+  # Measured: 0.15 float32 leaves without the guard, 0.22 with it, for every dtype and
+  # momentum. A full-size temporary adds 0.5 (a bfloat16 copy) or 1.0 (a float32 one),
+  # shared by the leaves of one shape or not: a constant cap broadcast to the leaves'
+  # shape was such a one (1.19 with it), written out for the clipping reductions.
+  assert ours < 0.45 * float32_leaf, (ours / float32_leaf, ours)
 
 
 @pytest.mark.xla_memory_layout

@@ -173,9 +173,12 @@ class ScaleFactors(NamedTuple):
       :math:`(\sqrt{\mathrm{mean}_R(r)/r},\ 1/\sqrt{c})` for a factored one.
     cap: the largest product, :math:`1/\sqrt{\text{tiny}}`: reached only where the
       factored estimate :math:`\hat v` underflows the compute dtype; ``None`` for an
-      unfactored leaf, whose statistic is floored directly.
-    poison: ``None``, or 0 where the statistics are finite and NaN where they are not
-      (see :func:`xla_hints.nan_unless_finite`).
+      unfactored leaf, whose statistic is floored directly. A scalar, or where the
+      statistics are checked through the clipping (``poison``), a column-shaped array:
+      the cap, or NaN where the statistics are not finite (the column factor then
+      carries the same NaN).
+    poison: ``None``, or (an unfactored leaf's) 0 where the statistics are finite and
+      NaN where they are not (see :func:`xla_hints.nan_unless_finite`).
   """
 
   factors: tuple[jax.Array, ...]
@@ -220,7 +223,11 @@ def scale_factors(
     # The normaliser sums every row statistic, so it is non-finite when one of them
     # is (all are non-negative: no cancellation); the columns poison their own factor.
     nan_if_bad = xla_hints.nan_unless_finite(normaliser, moment.v_col.astype(stat_dtype))
-    return ScaleFactors(factors, cap, nan_if_bad), jnp.array(True)
+    # Carried by the column factor and by the cap alike, so that min(product, cap) is
+    # NaN on every backend (min of two NaN), with no full-size add of its own; and the
+    # cap becomes the leaf's own small array (xla_hints.leaf_cap).
+    return ScaleFactors((factors[0], factors[1] + nan_if_bad),
+                        xla_hints.leaf_cap(cap, nan_if_bad), None), jnp.array(True)
   finite = numerics.all_finite(moment.v_row) & numerics.all_finite(moment.v_col)
   return ScaleFactors(factors, cap, None), finite
 
