@@ -38,7 +38,7 @@ def test_bench_runs_and_writes_json(tmp_path):
   rows = json.loads(pathlib.Path(out).read_text())
   assert {(r["optimizer"], r["config"]) for r in rows} == {
       (name, config) for name in ("optax.adafactor", "safefactor", "safefactor, guard off",
-                                  "safefactor, packed", "safefactor, spikes")
+                                  "safefactor, unpacked", "safefactor, spikes")
       for config in ("default", "momentum")}
   for row in rows:
     for key in ("step_ratio", "compile_ratio", "temp_bytes", "state_bytes", "roofline_fraction",

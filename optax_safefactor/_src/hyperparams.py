@@ -55,7 +55,7 @@ class Hyperparams(NamedTuple):
   checked: bool = False
   skip_spikes: jax.typing.ArrayLike | None = None
   spike_window: int = 128
-  pack_small_leaves: bool = False
+  pack_small_leaves: bool = True
 
   @property
   def needs_params(self) -> bool:

@@ -34,13 +34,13 @@ from optax_safefactor._src import kernel
 from optax_safefactor._src.plan import FactorPlan
 from optax_safefactor._src.write_back import Rounding
 
-#: Leaves of at most this many elements are packed (the bound under which the spike rule
-#: also keeps a leaf's gradient whole). Measured on the 2-core CPU with 48 leaves of one size
-#: (docs/benchmarks.md, "Packing"): packing compiled them 3-30% faster at every size, and
-#: stepped them 1.15x slower at 1,024 elements, 1.35-1.4x at 4,096-16,384 and 1.27x beyond:
-#: the copies into and out of the packed array grow with the leaf, the per-leaf cost saved
-#: does not. Hence small leaves only, and packing off by default on that machine.
-PACKED_UP_TO = 16384
+#: Leaves of at most this many elements are packed. Measured on the 2-core CPU with 48
+#: leaves of one size, packed against alone, step time (docs/benchmarks.md, "Packing small
+#: leaves"): 0.82x-0.95x at 2,048 elements in float32 and bfloat16, with and without
+#: momentum; 0.89x-1.04x at 3,072, up to 1.10x at 4,096 and 1.26x at 16,384: the copies into
+#: and out of the packed array grow with the leaf, the per-leaf cost saved does not.
+#: Packing is on by default, so only sizes where it steps faster are packed.
+PACKED_UP_TO = 2048
 
 #: At most this many leaves are packed into one array. Each leaf's part of a packed result
 #: is split out by a slice of its own, and XLA compiles a kernel per distinct slice: a slice
