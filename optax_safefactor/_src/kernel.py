@@ -170,20 +170,19 @@ class ScaleFactors(NamedTuple):
 
   Attributes:
     factors: ``(rsqrt(v),)`` for an unfactored leaf;
-      :math:`(\sqrt{\mathrm{mean}_R(r)/r},\ 1/\sqrt{c})` for a factored one.
+      :math:`(\sqrt{\mathrm{mean}_R(r)/r},\ 1/\sqrt{c})` for a factored one. Where the
+      statistics are checked through the clipping, NaN where they are not finite: the
+      unfactored factor, and the factored column factor (with the cap), carry
+      :func:`xla_hints.nan_unless_finite` of the statistics.
     cap: the largest product, :math:`1/\sqrt{\text{tiny}}`: reached only where the
       factored estimate :math:`\hat v` underflows the compute dtype; ``None`` for an
       unfactored leaf, whose statistic is floored directly. A scalar, or where the
-      statistics are checked through the clipping (``poison``), a column-shaped array:
-      the cap, or NaN where the statistics are not finite (the column factor then
-      carries the same NaN).
-    poison: ``None``, or (an unfactored leaf's) 0 where the statistics are finite and
-      NaN where they are not (see :func:`xla_hints.nan_unless_finite`).
+      statistics are checked through the clipping, a column-shaped array: the cap, or
+      NaN where the statistics are not finite.
   """
 
   factors: tuple[jax.Array, ...]
   cap: jax.Array | None
-  poison: jax.Array | None
 
 
 def scale_factors(
@@ -208,8 +207,8 @@ def scale_factors(
     stored = moment.v.astype(stat_dtype)
     factor = jax.lax.rsqrt(jnp.maximum(stored, floor))
     if poison:
-      return ScaleFactors((factor,), None, xla_hints.nan_unless_finite(stored)), jnp.array(True)
-    return ScaleFactors((factor,), None, None), numerics.all_finite(moment.v, per_row=per_row)
+      return ScaleFactors((factor + xla_hints.nan_unless_finite(stored),), None), jnp.array(True)
+    return ScaleFactors((factor,), None), numerics.all_finite(moment.v, per_row=per_row)
   row = jnp.maximum(moment.v_row.astype(stat_dtype), floor)
   col = jnp.maximum(moment.v_col.astype(stat_dtype), floor)
   normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
@@ -227,20 +226,18 @@ def scale_factors(
     # NaN on every backend (min of two NaN), with no full-size add of its own; and the
     # cap becomes the leaf's own small array (xla_hints.leaf_cap).
     return ScaleFactors((factors[0], factors[1] + nan_if_bad),
-                        xla_hints.leaf_cap(cap, nan_if_bad), None), jnp.array(True)
+                        xla_hints.leaf_cap(cap, nan_if_bad)), jnp.array(True)
   finite = numerics.all_finite(moment.v_row) & numerics.all_finite(moment.v_col)
-  return ScaleFactors(factors, cap, None), finite
+  return ScaleFactors(factors, cap), finite
 
 
 def scale_by_factors(grad: jax.Array, scale: ScaleFactors) -> jax.Array:
-  r""":math:`g \cdot \min(\prod \text{factors}, \text{cap})` (+ the poison, if any)."""
+  r""":math:`g \cdot \min(\prod \text{factors}, \text{cap})`."""
   product = scale.factors[0]
   for factor in scale.factors[1:]:
     product = product * factor
   if scale.cap is not None:
     product = jnp.minimum(product, scale.cap)
-  if scale.poison is not None:
-    product = product + scale.poison
   return grad * product.astype(grad.dtype)
 
 
