@@ -30,6 +30,7 @@ other, which is what keeps the step's temporaries small (see ``xla_hints.py``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -88,20 +89,28 @@ def abs_sq(x: jax.Array) -> jax.Array:
   return x * x
 
 
-def mean_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> jax.Array:
-  """Mean of ``|x|**2`` over every axis but ``keep_axes`` (keepdims when any are kept).
+def sum_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> tuple[jax.Array, int]:
+  """Sum of ``|x|**2`` over every axis but ``keep_axes`` (keepdims when any are kept),
+  and how many terms each sum has.
 
-  Returns a scalar when no axis is kept, and 0 rather than NaN for an empty array.
+  A sum is finite exactly when the mean made from it is (its terms are not negative),
+  and it has no size in it: the skip's finite flags read sums, so that leaves of
+  different sizes share the flags' compiled kernels (a mean's ``1/n`` is a constant
+  that makes each size's kernel its own).
   """
-  if not keep_axes:
-    if x.size == 0:
-      return jnp.zeros((), numerics.real_dtype(x.dtype))
-    return jnp.mean(abs_sq(x))
   axes = tuple([a for a in range(x.ndim) if a not in keep_axes])
+  count = math.prod([x.shape[a] for a in axes])
   if x.size == 0:
     shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
-    return jnp.zeros(shape, numerics.real_dtype(x.dtype))
-  return jnp.mean(abs_sq(x), axes, keepdims=True)
+    return jnp.zeros(shape if keep_axes else (), numerics.real_dtype(x.dtype)), count
+  total = xla_hints.sum_of(abs_sq, x, axes)
+  return (total if keep_axes else total.reshape(())), count
+
+
+def mean_of(total: jax.Array, count: int) -> jax.Array:
+  """``total / count``, as :func:`jax.numpy.mean` divides (by the count in the sum's
+  dtype, so a count past int32 is fine); 0 for an empty sum."""
+  return total / jnp.asarray(max(count, 1), total.dtype)
 
 
 # Second moment ---------------------------------------------------------------------
@@ -211,17 +220,21 @@ def scale_factors(
     return ScaleFactors((factor,), None), numerics.all_finite(moment.v, per_row=per_row)
   row = jnp.maximum(moment.v_row.astype(stat_dtype), floor)
   col = jnp.maximum(moment.v_col.astype(stat_dtype), floor)
-  normaliser = jnp.mean(row, plan.row_axes, keepdims=True)
+  rows = math.prod([row.shape[a] for a in plan.row_axes])
+  root_normaliser = jnp.sqrt(xla_hints.sum_of(lambda r: r, row, plan.row_axes) / rows)
   # sqrt(normaliser) * rsqrt(row), not sqrt(normaliser / row): the quotient overflows to
   # inf (and so to the cap) for a row on the floor once the normaliser passes
   # max / floor (4 with eps=0, 3.4e8 with eps=1e-30), far from any underflow of the
   # estimate. Each factor here is at most sqrt(max) * rsqrt(tiny) < max: only the
   # product can pass the cap, and then it should.
-  factors = (jnp.sqrt(normaliser) * jax.lax.rsqrt(row), jax.lax.rsqrt(col))
+  factors = (jax.lax.rsqrt(row), root_normaliser * jax.lax.rsqrt(col))
   if poison:
     # The normaliser sums every row statistic, so it is non-finite when one of them
-    # is (all are non-negative: no cancellation); the columns poison their own factor.
-    nan_if_bad = xla_hints.nan_unless_finite(normaliser, moment.v_col.astype(stat_dtype))
+    # is (all are non-negative: no cancellation), and so is its root: read from the
+    # root, the normaliser has one reader and its reduction fuses with the root. The
+    # columns poison their own factor.
+    nan_if_bad = xla_hints.nan_unless_finite(root_normaliser,
+                                             moment.v_col.astype(stat_dtype))
     # Carried by the column factor and by the cap alike, so that min(product, cap) is
     # NaN on every backend (min of two NaN), with no full-size add of its own; and the
     # cap becomes the leaf's own small array (xla_hints.leaf_cap).
@@ -244,17 +257,24 @@ def scale_by_factors(grad: jax.Array, scale: ScaleFactors) -> jax.Array:
 # Multipliers -----------------------------------------------------------------------
 
 
-def clipping_multiplier(mean_square: jax.Array, threshold: Any) -> jax.Array:
-  r""":math:`1/\max(1, \sqrt{\mathrm{mean}(s^2)}/d)`: the update's RMS is at most :math:`d`."""
-  threshold = jnp.asarray(threshold, mean_square.dtype)
-  return 1 / jnp.maximum(jnp.asarray(1, mean_square.dtype), jnp.sqrt(mean_square) / threshold)
+def clipped(multiplier: jax.Array | None, mean_square: jax.Array, threshold: Any) -> jax.Array:
+  r""":math:`m/\max(1, \sqrt{\mathrm{mean}(s^2)}/d)` (``m`` is 1 when ``None``): the
+  update's RMS before ``m`` is at most :math:`d`."""
+  dtype = mean_square.dtype
+  threshold = jnp.asarray(threshold, dtype)
+  numerator = jnp.asarray(1, dtype) if multiplier is None else multiplier
+  return numerator / jnp.maximum(jnp.asarray(1, dtype), jnp.sqrt(mean_square) / threshold)
 
 
-def param_rms(param: jax.Array, batch_axes: tuple[int, ...], compute_dtype: Any) -> jax.Array:
-  r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in the compute dtype."""
+def param_rms(
+    param: jax.Array, batch_axes: tuple[int, ...], compute_dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+  r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in the compute
+  dtype, and the sum of squares it comes from (finite exactly when the RMS is)."""
   # Read a narrow param on its own, so the upcast fuses into this reduction and no
   # float32 copy of it is kept for later passes.
-  return jnp.sqrt(mean_abs_sq(xla_hints.fresh_read(param, compute_dtype), batch_axes))
+  total, count = sum_abs_sq(xla_hints.fresh_read(param, compute_dtype), batch_axes)
+  return jnp.sqrt(mean_of(total, count)), total
 
 
 def parameter_scale(rms: jax.Array, min_scale: Any, max_scale: Any | None) -> jax.Array:
@@ -375,21 +395,25 @@ def leaf_scaling(
     scaled = scale_by_factors(xla_hints.fresh_read(grad, ct), factors)
     if momentum_on_clipping:
       scaled = scaled + xla_hints.nan_unless_finite(momentum.astype(ct))
-    mean_square = mean_abs_sq(scaled, plan.batch_axes)
-    checked.append(mean_square)
-    multiplier = times(clipping_multiplier(mean_square, hp.clipping_threshold))
+    # The flag reads the sum, not the mean: see sum_abs_sq.
+    square_sum, count = sum_abs_sq(scaled, plan.batch_axes)
+    checked.append(square_sum)
   if step.learning_rate is not None:
     learning_rate = jnp.asarray(step.learning_rate, real_ct)
     finite &= jnp.isfinite(learning_rate)
     multiplier = times(learning_rate)
   if hp.multiply_by_parameter_scale:
-    rms = param_rms(param, plan.batch_axes, ct)
-    # Checked before the clamp: the flag then reads the reduction, not the select, and
-    # XLA does not copy the clamp into the flag's kernel.
-    checked.append(rms)
+    rms, param_square_sum = param_rms(param, plan.batch_axes, ct)
+    # The flag reads the reduction itself, not the clamp or the mean: XLA then copies
+    # neither into the flag's kernel, which leaves of every size share.
+    checked.append(param_square_sum)
     multiplier = times(parameter_scale(rms, hp.min_parameter_scale, hp.max_parameter_scale))
   elif decays or reads_param_on_write_back:
     checked.append(param)
+  if clipping:
+    # The clipping divides the rest of the multiplier: one scalar kernel per leaf makes
+    # the whole multiplier, where a clipping factor of its own was a kernel of its own.
+    multiplier = clipped(multiplier, mean_of(square_sum, count), hp.clipping_threshold)
   if decays:
     # A schedule's NaN rate would make ``rate * param`` NaN, as a NaN learning rate would.
     finite &= jnp.isfinite(jnp.asarray(step.weight_decay_rate, real_ct))
@@ -423,9 +447,10 @@ def leaf_update(
     ``(update, new_momentum, new_compensation)``; the update is in the gradient's dtype.
   """
   ct = leaf.compute_dtype
-  update = scale_by_factors(grad.astype(ct), xla_hints.unmergeable(scaling.factors))
-  if scaling.multiplier is not None:
-    update = update * scaling.multiplier.astype(ct)
+  factors, multiplier = xla_hints.unmergeable((scaling.factors, scaling.multiplier))
+  update = scale_by_factors(grad.astype(ct), factors)
+  if multiplier is not None:
+    update = update * multiplier.astype(ct)
   new_momentum = None
   if momentum is not None:
     blended = momentum_blend(update, momentum, jnp.asarray(hp.momentum, leaf.real_dtype))

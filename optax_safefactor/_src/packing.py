@@ -64,10 +64,22 @@ ROWS_PLAN = FactorPlan(row_axes=(), col_axes=(), batch_axes=(0,))
 
 
 class Group(NamedTuple):
-  """Leaves stepped together: their positions in the tree's leaf order, and shapes."""
+  """Leaves stepped together: their positions in the tree's leaf order, and shapes.
+
+  The first ``repeated`` rows are leaves that an earlier group of the kind owns, stepped
+  again only so that the kind's last group has as many rows as the others (their results
+  are dropped): every group of a kind is then one shape, and so one set of compiled
+  kernels, where a shorter last group brought a set of its own.
+  """
 
   members: tuple[int, ...]
   shapes: tuple[tuple[int, ...], ...]
+  repeated: int = 0
+
+  @property
+  def owned(self) -> tuple[int, ...]:
+    """The leaves whose results this group gives: all but the repeated ones."""
+    return self.members[self.repeated:]
 
 
 def _mesh_is_trivial(mesh: Any) -> bool:
@@ -142,8 +154,13 @@ def find_groups(grads: list, leaves: list, moments: list, params: list, momenta:
       continue
     for start in range(0, len(members), ROWS_PER_GROUP):
       chunk = members[start:start + ROWS_PER_GROUP]
+      # A short last group takes its first rows again from the group before it.
+      repeated = min(ROWS_PER_GROUP, start) - len(chunk) if start else 0
+      if repeated > 0:
+        chunk = members[start - repeated:start + ROWS_PER_GROUP]
       if len(chunk) > 1:
-        groups.append(Group(tuple(chunk), tuple([tuple(grads[i].shape) for i in chunk])))
+        groups.append(Group(tuple(chunk), tuple([tuple(grads[i].shape) for i in chunk]),
+                            max(repeated, 0)))
   return groups
 
 
@@ -156,15 +173,15 @@ def pack(group: Group, arrays: list) -> Any:
 
 
 def unpack(group: Group, packed: Any, row_index: list) -> list:
-  """The rows of ``packed`` back in their leaves' shapes (``None`` for ``None``).
+  """The owned rows of ``packed`` back in their leaves' shapes (``None`` for ``None``).
 
   Row ``r`` is read at ``row_index[r]``, an index known only at run time
   (``xla_hints.row_indices``), so that reading it is the same kernel for every row.
   """
   if packed is None:
-    return [None] * len(group.members)
-  return [jax.lax.dynamic_slice_in_dim(packed, row_index[row], 1).reshape(shape)
-          for row, shape in enumerate(group.shapes)]
+    return [None] * len(group.owned)
+  return [jax.lax.dynamic_slice_in_dim(packed, row_index[row], 1).reshape(group.shapes[row])
+          for row in range(group.repeated, len(group.members))]
 
 
 def packed_leaf(group: Group, leaves: list[kernel.Leaf]) -> kernel.Leaf:
@@ -195,7 +212,7 @@ def units(grads: list, leaves: list, moments: list, params: list, momenta: list,
   """Every leaf in one unit: the packed groups first, then the other leaves one by one."""
   groups = (find_groups(grads, leaves, moments, params, momenta, compensations)
             if enabled else [])
-  packed = {index for group in groups for index in group.members}
+  packed = {index for group in groups for index in group.owned}
   return [Unit(group, True) for group in groups] + [
       Unit(Group((index,), (tuple(grad.shape),)), False)
       for index, grad in enumerate(grads) if index not in packed]
@@ -223,7 +240,12 @@ def scatter(unit: Unit, value: Any, row_index: list) -> list:
 
 
 def rows(unit: Unit, value: jax.Array) -> list:
-  """A per-row value (a flag, a sum) as one scalar per member."""
+  """A per-row value (a flag, a sum) as one scalar per owned member."""
   if not unit.packed:
     return [value]
-  return [value[row] for row in range(len(unit.group.members))]
+  return [value[row] for row in range(unit.group.repeated, len(unit.group.members))]
+
+
+def owned_rows(unit: Unit, value: jax.Array) -> jax.Array:
+  """A per-row vector (the finite flags) without the repeated rows' entries."""
+  return value[unit.group.repeated:] if unit.packed and unit.group.repeated else value

@@ -184,14 +184,15 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     def per_leaf(values_by_unit, split):
       flat = [None] * leaf_count
       for unit, value in zip(units, values_by_unit, strict=True):
-        for index, member in zip(unit.group.members, split(unit, value), strict=True):
+        for index, member in zip(unit.group.owned, split(unit, value), strict=True):
           flat[index] = member
       return flat
 
     # The flags as one vector in unit order (a packed unit brings one per row), then in
     # the leaves' order for the counters: one gather where packing reordered them.
-    finite_by_unit = flag_vector([finite for _, _, finite in first_half])
-    unit_order = [index for unit in units for index in unit.group.members]
+    finite_by_unit = flag_vector([packing.owned_rows(unit, finite)
+                                  for unit, (_, _, finite) in zip(units, first_half, strict=True)])
+    unit_order = [index for unit in units for index in unit.group.owned]
     leaf_finite = (finite_by_unit if unit_order == sorted(unit_order)
                    else finite_by_unit[np.argsort(unit_order)])
     step_finite = xla_hints.computed_once([finite_by_unit]) if guarded else None
