@@ -23,7 +23,6 @@ left to its own step: a concatenation along a sharded axis would be a reshard.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_safefactor._src import kernel
+from optax_safefactor._src.placement import is_replicated
 from optax_safefactor._src.plan import FactorPlan
 from optax_safefactor._src.write_back import Rounding
 
@@ -80,40 +80,6 @@ class Group(NamedTuple):
   def owned(self) -> tuple[int, ...]:
     """The leaves whose results this group gives: all but the repeated ones."""
     return self.members[self.repeated:]
-
-
-def _mesh_is_trivial(mesh: Any) -> bool:
-  sizes = getattr(mesh, "axis_sizes", None)
-  return not sizes or math.prod(sizes) == 1
-
-
-def _auto_axes(mesh: Any) -> bool:
-  types = getattr(mesh, "axis_types", ()) or ()
-  return any(axis_type != jax.sharding.AxisType.Explicit for axis_type in types)
-
-
-def is_replicated(x: Any) -> bool:
-  """Whether ``x`` is known to be whole on every device (or on one device).
-
-  A concrete array says so itself. A traced one says so when its type's mesh is trivial
-  or its axes are Explicit with no axis in its spec; under Auto axes of a real mesh (its
-  own, or the context's) a tracer's spec says nothing, so it is not known.
-  """
-  if x is None:
-    return True
-  if not isinstance(x, jax.core.Tracer):
-    sharding = getattr(x, "sharding", None)
-    return sharding is None or bool(sharding.is_fully_replicated)
-  get_context = getattr(jax.sharding, "get_abstract_mesh", None)
-  context = None if get_context is None else get_context()
-  if not _mesh_is_trivial(context) and _auto_axes(context):
-    return False
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  if sharding is None:
-    return _mesh_is_trivial(context)
-  if any(axis is not None for axis in sharding.spec):
-    return False
-  return _mesh_is_trivial(sharding.mesh) or not _auto_axes(sharding.mesh)
 
 
 def _dtype(x: Any) -> Any:

@@ -14,6 +14,7 @@ not their types, since flax is optional.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -256,3 +257,37 @@ def state_partition_specs(
   if mesh is None:
     return specs
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def _mesh_is_trivial(mesh: Any) -> bool:
+  sizes = getattr(mesh, "axis_sizes", None)
+  return not sizes or math.prod(sizes) == 1
+
+
+def _auto_axes(mesh: Any) -> bool:
+  types = getattr(mesh, "axis_types", ()) or ()
+  return any(axis_type != jax.sharding.AxisType.Explicit for axis_type in types)
+
+
+def is_replicated(x: Any) -> bool:
+  """Whether ``x`` is known to be whole on every device (or on one device).
+
+  A concrete array says so itself. A traced one says so when its type's mesh is trivial
+  or its axes are Explicit with no axis in its spec; under Auto axes of a real mesh (its
+  own, or the context's) a tracer's spec says nothing, so it is not known.
+  """
+  if x is None:
+    return True
+  if not isinstance(x, jax.core.Tracer):
+    sharding = getattr(x, "sharding", None)
+    return sharding is None or bool(sharding.is_fully_replicated)
+  get_context = getattr(jax.sharding, "get_abstract_mesh", None)
+  context = None if get_context is None else get_context()
+  if not _mesh_is_trivial(context) and _auto_axes(context):
+    return False
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  if sharding is None:
+    return _mesh_is_trivial(context)
+  if any(axis is not None for axis in sharding.spec):
+    return False
+  return _mesh_is_trivial(sharding.mesh) or not _auto_axes(sharding.mesh)

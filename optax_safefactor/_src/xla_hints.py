@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import trees
+from optax_safefactor._src import placement, trees
 
 T = TypeVar("T")
 
@@ -185,7 +185,8 @@ def sum_of(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
   scale and its clipping) and a factored leaf's row normaliser cost the compiler about a
   tenth as much. The zeros add nothing to the sum; other backends reduce a few thousand
   more zeros. ``fn`` runs on the padded array, so that the padding fuses into the
-  reduction with it.
+  reduction with it. An array not known to be whole on every device
+  (:func:`placement.is_replicated`) is reduced as it is: its reshape would be a reshard.
 
   Pinned by ``tests/test_compile.py::test_small_reductions_are_library_kernels``.
 
@@ -194,16 +195,18 @@ def sum_of(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
   """
   if not axes:
     return fn(x)
-  if x.size == 0 or x.size >= LIBRARY_REDUCTION_SIZE:
+  # A sharded array is left as it is: its reshape would be a reshard.
+  if x.size == 0 or x.size >= LIBRARY_REDUCTION_SIZE or not placement.is_replicated(x):
     return jnp.sum(fn(x), axes, keepdims=True)
   shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
   kept = [a for a in range(x.ndim) if a not in axes]
+  zero = jnp.zeros((), x.dtype)
   if not kept:
-    flat = jnp.pad(x.reshape(-1), (0, LIBRARY_REDUCTION_SIZE - x.size))
+    flat = jax.lax.pad(x.reshape(-1), zero, [(0, LIBRARY_REDUCTION_SIZE - x.size, 0)])
     return jnp.sum(fn(flat)).reshape(shape)
   rows = math.prod([x.shape[a] for a in kept])
   order = kept + list(axes)
   flat = (x if order == sorted(order) else jnp.transpose(x, order)).reshape(rows, -1)
   width = -(-LIBRARY_REDUCTION_SIZE // rows)
-  flat = jnp.pad(flat, ((0, 0), (0, width - flat.shape[1])))
+  flat = jax.lax.pad(flat, zero, [(0, 0, 0), (0, width - flat.shape[1], 0)])
   return jnp.sum(fn(flat), axis=1).reshape(shape)
