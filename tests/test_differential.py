@@ -487,21 +487,29 @@ def test_a_none_role_keeps_its_axis_out_of_the_heuristic(roles):
   assert isinstance(state.inner_state.second_moment["w"], osf.FullMoment)
 
 
+@pytest.mark.parametrize("faint_axis", [1, 0])
 @pytest.mark.parametrize("eps,large,faint", [(1e-30, 1e5, 1e-16), (0.0, 3.0, 1e-20)])
-def test_faint_columns_next_to_large_gradients_follow_the_reference(eps, large, faint):
-  """Columns of faint gradients (their row statistic on the floor) next to large ones.
+def test_faint_columns_next_to_large_gradients_follow_the_reference(eps, large, faint,
+                                                                    faint_axis):
+  """Columns (or rows) of faint gradients, their statistic on the floor, next to large ones.
 
-  Guards against the row factor computed as ``sqrt(normaliser / row)``: the quotient
+  Guards against a factor computed as ``sqrt(normaliser / statistic)``: the quotient
   overflowed float32 once the normaliser passed ``max / floor`` (3.4e8 with eps=1e-30,
   4 with eps=0), and the cap then stood in for a scale it should not have bounded:
   with eps=1e-30 and gradients around 1e5 the faint columns' updates were 4,000 times
-  the reference's, with eps=0 and gradients around 3, up to twice.
+  the reference's, with eps=0 and gradients around 3, up to twice. Either statistic may
+  carry the normaliser's root, so both orientations are tried.
   """
   rng = np.random.default_rng(0)
   shape = (6, 5)
-  # Rows of different scales, so that some column statistics exceed the normaliser.
-  grads = rng.normal(size=shape) * large * np.array([1.0, 3.0, 0.3, 2.0, 0.5, 4.0])[:, None]
-  grads[:, 2] = rng.normal(size=shape[0]) * faint
+  # Lines of different scales, so that some statistics exceed the normaliser.
+  scales = np.array([1.0, 3.0, 0.3, 2.0, 0.5, 4.0])
+  if faint_axis == 1:
+    grads = rng.normal(size=shape) * large * scales[:, None]
+    grads[:, 2] = rng.normal(size=shape[0]) * faint
+  else:
+    grads = rng.normal(size=shape) * large * scales[None, :5]
+    grads[2, :] = rng.normal(size=shape[1]) * faint
   tx = osf.scale_by_safe_factored_rms(min_dim_size_to_factor=2, epsilon=eps)
   params = {"w": jnp.zeros(shape)}
   reference = ReferenceAdafactor(eps=eps, multiply_by_parameter_scale=False,

@@ -123,6 +123,19 @@ def test_kinds_of_few_leaves_are_not_packed():
   assert not re.search(r"f32\[\d+,32\]", text)
 
 
+def _units(params):
+  """The units ``safefactor(1e-3)`` steps a tree of float32 leaves in."""
+  state = osf.safefactor(1e-3).init(params).inner_state
+  names = list(params)
+  leaves = [kernel.Leaf(plan=_plan_of(state, name), compute_dtype=np.dtype("float32"),
+                        real_dtype=np.dtype("float32"), floor=None, cap=None, decays=False,
+                        decay_mask=True, rounding=None)
+            for name in names]
+  columns = [[params[n] for n in names], leaves, [state.second_moment[n] for n in names],
+             [params[n] for n in names], [None] * len(names), [None] * len(names)]
+  return packing.units(*columns, enabled=True)
+
+
 def _plan_of(state, name):
   if isinstance(state.second_moment[name], osf.FactoredMoment):
     return FactorPlan((1,), (0,))
@@ -289,6 +302,10 @@ def test_a_kinds_groups_are_one_shape(rng):
   kernels). The repeated rows' results are dropped: the results are the unpacked ones.
   """
   params = random_tree(rng, {f"b{i}": (40,) for i in range(6)})
+  units = _units(params)
+  assert all(unit.packed for unit in units)
+  assert [(unit.group.members, unit.group.repeated) for unit in units] == [
+      ((0, 1, 2, 3), 0), ((2, 3, 4, 5), 2)]
   text = _compiled_text(osf.safefactor(1e-3, momentum=0.9, pack_small_leaves=True), params)
   assert re.search(r"f32\[4,40\]", text)
   assert not re.search(r"f32\[[23],40\]", text)
