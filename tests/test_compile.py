@@ -110,6 +110,7 @@ def _step_text(tx, params) -> str:
   return jax.jit(step).lower(params, tx.init(params), params).compile().as_text()
 
 
+@pytest.mark.xla_cpu_kernels
 @pytest.mark.parametrize("pack", [True, False])
 def test_small_reductions_are_library_kernels(pack):
   # XLA's CPU backend compiles a reduction of fewer than 4,096 elements as a chain of LLVM
@@ -122,7 +123,7 @@ def test_small_reductions_are_library_kernels(pack):
   assert "reduce-window(" not in text
 
 
-@pytest.mark.xla_memory_layout
+@pytest.mark.xla_cpu_kernels
 @pytest.mark.parametrize("momentum", [None, 0.9])
 def test_leaves_of_other_sizes_share_kernels(momentum):
   # A kernel is compiled per distinct fused computation, and a size's 1/n in one makes it
