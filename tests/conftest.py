@@ -46,20 +46,20 @@ def x64():
 def pytest_collection_modifyitems(config, items):
   """Skip, with the reason, what the installed JAX cannot run (markers in pyproject.toml)."""
   if jax.__version_info__ < (0, 10, 2):
-    skip = pytest.mark.skip(reason=(
-        "XLA's CPU memory analysis before JAX 0.10.2 reports the same temporaries for "
-        "safefactor and optax.adafactor (2x the float32 params on 0.5.3-0.10.1), so it cannot "
-        "tell the layouts apart"))
+    reasons = {
+        "xla_memory_layout": (
+            "XLA's CPU memory analysis before JAX 0.10.2 reports the same temporaries for "
+            "safefactor and optax.adafactor (2x the float32 params on 0.5.3-0.10.1), so it "
+            "cannot tell the layouts apart"),
+        "xla_cpu_kernels": (
+            "the CPU kernel structure these tests pin (library kernels for reductions of "
+            "4,096 elements or more, one kernel per distinct fused computation) was measured "
+            "on the XLA of JAX 0.10.2"),
+    }
     for item in items:
-      if "xla_memory_layout" in item.keywords:
-        item.add_marker(skip)
-    kernels = pytest.mark.skip(reason=(
-        "the CPU kernel structure these tests pin (library kernels for reductions of 4,096 "
-        "elements or more, one kernel per distinct fused computation) was measured on the "
-        "XLA of JAX 0.10.2"))
-    for item in items:
-      if "xla_cpu_kernels" in item.keywords:
-        item.add_marker(kernels)
+      for marker, reason in reasons.items():
+        if marker in item.keywords:
+          item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # .ci/run's core-floor venv has no flax extra on purpose (flax 0.12.4 needs a newer JAX than the

@@ -38,12 +38,17 @@ def test_momentum_adds_no_reduction():
   assert _reductions(osf.safefactor(1e-3, momentum=0.9), params) == without
 
 
-def _temp_bytes(tx, params) -> int:
+def _train_step(tx):
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), params).compile()
+  return step
+
+
+def _temp_bytes(tx, params) -> int:
+  compiled = (jax.jit(_train_step(tx), donate_argnums=(0, 1))
+              .lower(params, tx.init(params), params).compile())
   return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -103,11 +108,7 @@ def test_barriers_only_where_values_are_upcast(momentum):
 
 
 def _step_text(tx, params) -> str:
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(step).lower(params, tx.init(params), params).compile().as_text()
+  return jax.jit(_train_step(tx)).lower(params, tx.init(params), params).compile().as_text()
 
 
 @pytest.mark.xla_cpu_kernels

@@ -87,16 +87,8 @@ def test_row_bits_are_each_leafs_own_bits():
 def test_which_leaves_are_packed(rng):
   params = random_tree(rng, SHAPES) | {
       "half0": jnp.ones((256,), jnp.bfloat16), "half1": jnp.ones((256,), jnp.bfloat16)}
-  tx = osf.safefactor(1e-3)
-  state = tx.init(params).inner_state
   names = list(params)
-  leaves = [kernel.Leaf(plan=_plan_of(state, name), compute_dtype=np.dtype("float32"),
-                        real_dtype=np.dtype("float32"), floor=None, cap=None, decays=False,
-                        decay_mask=True, rounding=None)
-            for name in names]
-  columns = [[params[n] for n in names], leaves, [state.second_moment[n] for n in names],
-             [params[n] for n in names], [None] * len(names), [None] * len(names)]
-  units = packing.units(*columns, enabled=True)
+  units = _units(params)
   groups = [sorted(names[i] for i in unit.group.owned) for unit in units if unit.packed]
   assert groups == [["bias0", "bias1", "bias2", "bias3"],
                     ["bias4", "bias5", "small_matrix"], ["half0", "half1"]]
@@ -107,7 +99,7 @@ def test_which_leaves_are_packed(rng):
   assert [group.repeated for group in packed] == [0, 1, 0]
   alone = sorted(names[unit.group.members[0]] for unit in units if not unit.packed)
   assert alone == ["big", "odd", "w"]
-  assert all(not unit.packed for unit in packing.units(*columns, enabled=False))
+  assert all(not unit.packed for unit in _units(params, enabled=False))
   assert sorted(i for unit in units for i in unit.group.owned) == list(range(len(names)))
 
 
@@ -123,8 +115,8 @@ def test_kinds_of_few_leaves_are_not_packed():
   assert not re.search(r"f32\[\d+,32\]", text)
 
 
-def _units(params):
-  """The units ``safefactor(1e-3)`` steps a tree of float32 leaves in."""
+def _units(params, enabled=True):
+  """The units ``safefactor(1e-3)`` steps a tree in (float32 arithmetic for every leaf)."""
   state = osf.safefactor(1e-3).init(params).inner_state
   names = list(params)
   leaves = [kernel.Leaf(plan=_plan_of(state, name), compute_dtype=np.dtype("float32"),
@@ -133,7 +125,7 @@ def _units(params):
             for name in names]
   columns = [[params[n] for n in names], leaves, [state.second_moment[n] for n in names],
              [params[n] for n in names], [None] * len(names), [None] * len(names)]
-  return packing.units(*columns, enabled=True)
+  return packing.units(*columns, enabled=enabled)
 
 
 def _plan_of(state, name):

@@ -121,12 +121,12 @@ def find_groups(grads: list, leaves: list, moments: list, params: list, momenta:
     for start in range(0, len(members), ROWS_PER_GROUP):
       chunk = members[start:start + ROWS_PER_GROUP]
       # A short last group takes its first rows again from the group before it.
-      repeated = min(ROWS_PER_GROUP, start) - len(chunk) if start else 0
+      repeated = ROWS_PER_GROUP - len(chunk) if start else 0
       if repeated > 0:
         chunk = members[start - repeated:start + ROWS_PER_GROUP]
       if len(chunk) > 1:
         groups.append(Group(tuple(chunk), tuple([tuple(grads[i].shape) for i in chunk]),
-                            max(repeated, 0)))
+                            repeated))
   return groups
 
 
