@@ -1,7 +1,15 @@
 """Test session set-up: 8 CPU devices and strict promotion, before JAX starts its backend."""
 
+import importlib.util
 import os
 import re
+
+# With the accel extra installed (libtpu and the CUDA plugin, for compiling to TPUs and GPUs
+# without them: tests/test_accelerators.py), JAX would try to start both at every start, and
+# the deviceless GPU compiler needs JAX on the CPU platform: the suite and the processes it
+# starts run on the CPU there. Elsewhere (a GPU machine) JAX picks its platform as usual.
+if importlib.util.find_spec("libtpu") is not None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 

@@ -65,6 +65,7 @@ def test_json_path_checked_before_measuring(json_path, tmp_path, capsys, monkeyp
 
 def test_help_lists_trees_and_default_configs_plainly():
   text = " ".join(rounding.build_parser().format_help().split())
-  assert "any of 600-leaves, gpt2-small, scanned-24, vit-b16 (gpt2-small scanned-24)" in text
+  assert ("any of 1b-slice, 600-leaves, gpt2-small, scanned-24, vit-b16 "
+          "(gpt2-small scanned-24)") in text
   assert "momentum=0.9 in bfloat16 (both)" in text
   assert "['" not in text and "(default momentum)" not in text

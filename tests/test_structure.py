@@ -69,7 +69,9 @@ def test_compiler_hints_live_in_one_module():
 
 def test_every_hint_is_used_and_pinned():
   tree = ast.parse((SRC / "xla_hints.py").read_text())
-  hints = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+  # Private helpers (the per-compiler primitive and the hints' hinted forms) serve the hints.
+  hints = [node for node in tree.body
+           if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
   others = " ".join(p.read_text() for p in SRC.glob("*.py") if p.name != "xla_hints.py")
   tests = pathlib.Path(__file__).parent
   for hint in hints:

@@ -82,13 +82,6 @@ def is_moment(x: Any) -> bool:
 # Squares -------------------------------------------------------------------------
 
 
-def abs_sq(x: jax.Array) -> jax.Array:
-  """``|x|**2`` as a real array (complex numbers get real second moments)."""
-  if jnp.iscomplexobj(x):
-    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
-  return x * x
-
-
 def sum_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> tuple[jax.Array, int]:
   """Sum of ``|x|**2`` over every axis but ``keep_axes`` (keepdims when any are kept),
   and how many terms each sum has.
@@ -103,7 +96,7 @@ def sum_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> tuple[jax.Array
   if x.size == 0:
     shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
     return jnp.zeros(shape if keep_axes else (), numerics.real_dtype(x.dtype)), count
-  total = xla_hints.sum_of(abs_sq, x, axes)
+  total = xla_hints.sum_of(numerics.abs_sq, x, axes)
   return (total if keep_axes else total.reshape(())), count
 
 
@@ -153,7 +146,7 @@ def update_second_moment(
   ct = compute_dtype
   eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):
-    squares = abs_sq(grad.astype(ct))
+    squares = numerics.abs_sq(grad.astype(ct))
     blended = _blend(moment.v, squares + eps, beta2)
     terms = None
     if with_square_terms and rows_are_leaves:
@@ -164,8 +157,8 @@ def update_second_moment(
     return FullMoment(*store((blended,), moment.v.dtype, how,
                              (bit_streams.STREAM_STATISTICS,))), terms
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
-  row_mean = jnp.mean(abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
-  col_mean = jnp.mean(abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
+  row_mean = jnp.mean(numerics.abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
+  col_mean = jnp.mean(numerics.abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
   blended = (_blend(moment.v_row, row_mean, beta2), _blend(moment.v_col, col_mean, beta2))
   terms = (SquareSource("row_means", row_mean, grad.size // max(row_mean.size, 1))
            if with_square_terms else None)
@@ -389,8 +382,9 @@ def leaf_scaling(
 
   # The old momentum is blended into the update, so NaN there must skip the step. With
   # clipping its finiteness rides on the clipping reduction, which reads the scaled
-  # gradient anyway: no reduction of its own (tests/test_compile.py).
-  momentum_on_clipping = clipping and momentum is not None
+  # gradient anyway: no reduction of its own (tests/test_compile.py). Without a guard
+  # nothing reads the verdict: the momentum is not read before it is blended.
+  momentum_on_clipping = clipping and momentum is not None and hp.skip_nonfinite_steps
   if clipping:
     scaled = scale_by_factors(xla_hints.fresh_read(grad, ct), factors)
     if momentum_on_clipping:

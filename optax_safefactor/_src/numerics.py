@@ -94,6 +94,17 @@ def leaf_numbers(dtype: DTypeLike, epsilon: jax.typing.ArrayLike) -> LeafNumbers
   return LeafNumbers(compute, real, positive_floor(epsilon, real), cap)
 
 
+def abs_sq(x: jax.Array) -> jax.Array:
+  """``|x|**2`` as a real array (complex numbers get real second moments).
+
+  >>> abs_sq(jnp.array([3.0 + 4.0j])).tolist()
+  [25.0]
+  """
+  if jnp.iscomplexobj(x):
+    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
+  return x * x
+
+
 def all_finite(*xs: jax.Array, per_row: bool = False) -> jax.Array:
   """Scalar bool: every element of every ``x`` is finite (True for empty arrays).
 

@@ -1,24 +1,42 @@
 """Compiler hints: how the Adafactor step is kept fast, named so the maths need not say it.
 
-Each helper changes how XLA fuses or schedules the step, never what it computes. The
-kernel calls them by name; each one is pinned by the test named in its docstring, so
-removing or breaking a hint fails a test rather than silently costing memory or
-compile time.
+Each helper changes how XLA fuses or schedules the step, never what it computes, and
+each names the compilers on which it was measured to pay (:data:`MEASURED_ON_CPU`): it is
+applied only there. Elsewhere the helper is the plain computation it stands for, so that
+on XLA:TPU and XLA:GPU the step is the algorithm as written (docs/benchmarks.md,
+"Accelerator compilers": the CPU's hints cost the TPU program 10-14% of its memory traffic).
+
+The choice is made when the program is lowered for a platform, not when it is traced: a
+step traced on a CPU host and compiled for a TPU (ahead of time, or by
+``python -m optax_safefactor bench --target tpu-v5e``) gets the TPU's program. A hint on
+each leaf is one primitive (``_per_compiler``) whose lowering rule picks the hinted or
+the plain computation; ``jax.lax.platform_dependent`` would trace both and lower a
+conditional per hint (1.2 ms per call on the 2-core CPU, measured: seconds on a tree of
+hundreds of leaves), so it is used only for the step's few global hints. Each hint is
+pinned by the test named in its docstring, so removing or breaking a hint fails a test
+rather than silently costing memory or compile time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-from optax_safefactor._src import placement, trees
+from optax_safefactor._src import numerics, placement, trees
 
 T = TypeVar("T")
+
+#: The compilers on which the CPU's hints were measured to pay (JAX's platform names).
+#: On XLA:TPU and XLA:GPU, compiled without a device, the same hints moved more bytes and
+#: made more fusions than the plain step (docs/benchmarks.md, "Accelerator compilers").
+MEASURED_ON_CPU = ("cpu",)
 
 #: XLA's CPU backend hands a reduction of at least this many elements to its library
 #: kernels (XNNPACK), which it compiles in a fraction of a millisecond; a smaller one
@@ -26,25 +44,92 @@ T = TypeVar("T")
 #: by LLVM in about 10 ms on the 2-core machine (docs/benchmarks.md).
 LIBRARY_REDUCTION_SIZE = 4096
 
+# The platforms a lowering rule is registered for; any other lowers the plain computation.
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+_per_compiler_p = Primitive("safefactor_hint")
+_per_compiler_p.multiple_results = True
+
+
+def _per_compiler(platforms: Sequence[str], hinted: Callable[..., Sequence[jax.Array]],
+                 plain: Callable[..., Sequence[jax.Array]], args: Sequence[jax.Array],
+                 out_avals: Sequence[Any]) -> list[jax.Array]:
+  """``hinted(*args)`` in a program lowered for one of ``platforms``, else ``plain(*args)``.
+
+  Both return a list of arrays of ``out_avals`` (shapes, dtypes and shardings), and
+  compute the same values. Traced once, as one primitive; eager, under ``jax.vmap`` and
+  under differentiation, ``plain`` is what runs.
+  """
+  return _per_compiler_p.bind(*args, platforms=tuple(platforms), hinted=hinted, plain=plain,
+                              out_avals=tuple(out_avals))
+
+
+def _lowering_for(platform: str) -> Callable[..., Any]:
+  def lower(ctx, *args, platforms, hinted, plain, out_avals):
+    del out_avals
+    chosen = hinted if platform in platforms else plain
+    return mlir.lower_fun(lambda *xs: list(chosen(*xs)), multiple_results=True)(ctx, *args)
+  return lower
+
+
+def _batched(args, dims, *, plain, **_):
+  outs = jax.vmap(lambda *xs: list(plain(*xs)), in_axes=list(dims))(*args)
+  return outs, [0] * len(outs)
+
+
+def _jvp(primals, tangents, *, plain, **_):
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  outs, out_tangents = jax.jvp(lambda *xs: list(plain(*xs)), list(primals), tangents)
+  return outs, out_tangents
+
+
+_per_compiler_p.def_impl(lambda *args, plain, **_: list(plain(*args)))
+_per_compiler_p.def_abstract_eval(lambda *_, out_avals, **__: list(out_avals))
+batching.primitive_batchers[_per_compiler_p] = _batched
+ad.primitive_jvps[_per_compiler_p] = _jvp
+mlir.register_lowering(_per_compiler_p, _lowering_for("other"))
+for _platform in _PLATFORMS:
+  mlir.register_lowering(_per_compiler_p, _lowering_for(_platform), platform=_platform)
+
+
+def _barrier(*values: jax.Array) -> list[jax.Array]:
+  return list(jax.lax.optimization_barrier(values))
+
+
+def _unchanged(*values: jax.Array) -> list[jax.Array]:
+  return list(values)
+
+
+def _barrier_on_cpu(values: Sequence[jax.Array]) -> list[jax.Array]:
+  """``values`` through an optimization barrier on the CPU, as they are elsewhere."""
+  values = list(values)
+  if not values or not any(isinstance(v, jax.core.Tracer) for v in values):
+    return values  # eager: nothing to schedule
+  return _per_compiler(MEASURED_ON_CPU, _barrier, _unchanged, values,
+                      [jax.typeof(v) for v in values])
+
 
 def separate_reads(*values: T) -> tuple[T, ...]:
-  """The same values, as distinct copies that XLA will not merge.
+  """The same values, as distinct copies that XLA:CPU will not merge.
 
-  Each reduction that reads a gradient should read it itself: a square or an upcast
-  shared by two reductions is written to a full-size temporary and read back, where
-  separate ones fuse into their reductions (float32 gradients included: without it,
-  every leaf's square was kept at once).
+  Each reduction that reads a gradient should read it itself: on the CPU a square or an
+  upcast shared by two reductions is written to a full-size temporary and read back,
+  where separate ones fuse into their reductions (float32 gradients included: without
+  it, every leaf's square was kept at once). XLA:TPU and XLA:GPU fuse the two reductions
+  of one read into one multi-output kernel instead, which the barrier prevents: there
+  each reduction read the gradient from device memory again.
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
   """
-  return jax.lax.optimization_barrier(values)
+  return tuple(_barrier_on_cpu(values))
 
 
 def fresh_read(value: jax.Array, dtype: Any) -> jax.Array:
-  """``value.astype(dtype)``, where that is an upcast read from a copy XLA will not merge.
+  """``value.astype(dtype)``, where that is an upcast read (on the CPU) from a copy XLA
+  will not merge.
 
-  Used where a full-size upcast would otherwise be shared with a later pass and
-  kept alive across the skip decision. A value already in ``dtype`` has no upcast to
+  Used where, on the CPU, a full-size upcast would otherwise be shared with a later pass
+  and kept alive across the skip decision. A value already in ``dtype`` has no upcast to
   share: it is read as it is (the same temporaries with and without a barrier,
   measured), since each barrier is HLO instructions per leaf that every compiler pass
   walks.
@@ -57,63 +142,78 @@ def fresh_read(value: jax.Array, dtype: Any) -> jax.Array:
   """
   if np.dtype(value.dtype) == np.dtype(dtype):
     return value
-  return jax.lax.optimization_barrier(value).astype(dtype)
+  (value,) = _barrier_on_cpu([value])
+  return value.astype(dtype)
+
+
+def _all_through_exp(flags: jax.Array) -> jax.Array:
+  bad = jnp.sum(jnp.where(flags, 0.0, 1.0).astype(jnp.float32))
+  return jnp.exp(-bad) > 0.5
 
 
 def computed_once(bools: list[jax.Array]) -> jax.Array:
   """All of ``bools`` (scalars, or vectors of flags: one per leaf), as one scalar
-  that XLA computes once rather than per consumer.
+  that XLA:CPU computes once rather than per consumer.
 
-  Every leaf's output reads the step's skip flag. A plain ``and`` of the leaves'
-  flags is cheap enough that XLA copies the whole chain into each leaf's fused
-  kernel, which makes compile time quadratic in the number of leaves. An ``exp`` is
-  an op XLA does not duplicate, so the flag is routed through one. The flag is built
-  from 0/1 counts, never from NaN, which the CPU backend may fold away.
+  Every leaf's output reads the step's skip flag. On the CPU a plain ``and`` of the
+  leaves' flags is cheap enough that XLA copies the whole chain into each leaf's fused
+  kernel, which makes compile time quadratic in the number of leaves. An ``exp`` is an
+  op XLA does not duplicate, so there the flag is routed through one, built from 0/1
+  counts, never from NaN, which the CPU backend may fold away. Elsewhere it is
+  ``jnp.all``: one of the step's few global hints, chosen by
+  ``jax.lax.platform_dependent``.
 
   Pinned by ``tests/test_compile.py::test_compiled_program_grows_linearly_with_leaves``.
   """
   if not bools:
     return jnp.array(True)
-  counts = jnp.where(trees.flag_vector(bools), 0.0, 1.0)
-  bad = jnp.sum(counts.astype(jnp.float32))
-  return jnp.exp(-bad) > 0.5
+  flags = trees.flag_vector(bools)
+  return jax.lax.platform_dependent(flags, cpu=_all_through_exp, default=jnp.all)
 
 
 def unmergeable(small: Any) -> Any:
-  """Small arrays (scale factors), as new values.
+  """Small arrays (scale factors), as new values on the CPU.
 
   The final update is scaled again from the gradient and the small factors rather
   than kept from the clipping pass, so that the full-size scaled gradient has one
-  reader and lives for one reduction. Passing the factors through a barrier makes them
-  new values, so XLA cannot merge the two scalings back into one kept full-size array
-  (float32 gradients included). One barrier, guard or no guard: gating the factors
-  with the skip flag instead (a select per factor array, which the final select on the
-  update makes redundant) cost compile time on trees of hundreds of leaves.
+  reader and lives for one reduction. On the CPU, passing the factors through a barrier
+  makes them new values, so XLA cannot merge the two scalings back into one kept
+  full-size array (float32 gradients included).
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``.
   """
-  return jax.lax.optimization_barrier(small)
+  leaves, treedef = jax.tree.flatten(small)
+  return jax.tree.unflatten(treedef, _barrier_on_cpu(leaves))
+
+
+def _unfoldable_rows(runtime_scalar: jax.Array, count: int) -> list[jax.Array]:
+  zero = jnp.asarray(runtime_scalar).astype(jnp.float32) * 0.0
+  return [jnp.sqrt(jnp.float32(row * row) + zero).astype(jnp.int32) for row in range(count)]
 
 
 def row_indices(runtime_scalar: jax.Array, count: int) -> list[jax.Array]:
-  """``0, 1, ..., count - 1`` as int32 scalars that the compiler cannot fold to constants.
+  """``0, 1, ..., count - 1`` as int32 scalars that XLA:CPU cannot fold to constants.
 
-  XLA compiles one kernel per distinct fused computation and reuses it for identical
-  ones. A leaf's part of a packed result is read by a slice at its row, which fuses into
-  the kernel that writes the leaf's output: with constant rows, every row is a distinct
-  kernel (for each output and each leaf size). Read by a dynamic slice at an index known
-  only at run time, every row is the same kernel. Each index is ``sqrt(r * r + z)``, with
-  ``z = 0 * runtime_scalar`` (exactly 0 for a finite scalar, which XLA cannot fold for
-  floats) and a square root (exact for a perfect square), an op that XLA computes once
-  rather than copying it into each reader.
+  XLA's CPU backend compiles one kernel per distinct fused computation and reuses it
+  for identical ones. A leaf's part of a packed result is read by a slice at its row,
+  which fuses into the kernel that writes the leaf's output: with constant rows, every
+  row is a distinct kernel (for each output and each leaf size). Read by a dynamic slice
+  at an index known only at run time, every row is the same kernel. Each index is
+  ``sqrt(r * r + z)``, with ``z = 0 * runtime_scalar`` (exactly 0 for a finite scalar,
+  which XLA cannot fold for floats) and a square root (exact for a perfect square), an
+  op that XLA computes once rather than copying it into each reader. Elsewhere they are
+  constants (``jax.lax.platform_dependent``).
 
   Pinned by ``tests/test_packing.py::test_packed_rows_are_read_by_one_kernel``.
 
   >>> [int(i) for i in row_indices(jnp.array(7), 3)]
   [0, 1, 2]
   """
-  zero = jnp.asarray(runtime_scalar).astype(jnp.float32) * 0.0
-  return [jnp.sqrt(jnp.float32(row * row) + zero).astype(jnp.int32) for row in range(count)]
+  def constants(_):
+    return [jnp.int32(row) for row in range(count)]
+
+  return jax.lax.platform_dependent(
+      runtime_scalar, cpu=lambda scalar: _unfoldable_rows(scalar, count), default=constants)
 
 
 def nan_unless_finite(*xs: jax.Array) -> jax.Array:
@@ -175,29 +275,8 @@ def finite_by_sum(x: jax.Array, per_row: bool = False) -> jax.Array:
                               axis=tuple(range(1, x.ndim)) if per_row else None))
 
 
-def sum_of(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
-           axes: tuple[int, ...]) -> jax.Array:
-  """``jnp.sum(fn(x), axes, keepdims=True)``, where ``fn`` maps 0 to 0, elementwise.
-
-  A small ``x`` (fewer than :data:`LIBRARY_REDUCTION_SIZE` elements) is padded with
-  zeros to that size first, so that XLA's CPU backend compiles the reduction as a library
-  kernel rather than as LLVM loop kernels: a small leaf's two reductions (its parameter
-  scale and its clipping) and a factored leaf's row normaliser cost the compiler about a
-  tenth as much. The zeros add nothing to the sum; other backends reduce a few thousand
-  more zeros. ``fn`` runs on the padded array, so that the padding fuses into the
-  reduction with it. An array not known to be whole on every device
-  (:func:`placement.is_replicated`) is reduced as it is: its reshape would be a reshard.
-
-  Pinned by ``tests/test_compile.py::test_small_reductions_are_library_kernels``.
-
-  >>> sum_of(jnp.square, jnp.arange(6.0).reshape(2, 3), (1,)).tolist()
-  [[5.0], [50.0]]
-  """
-  if not axes:
-    return fn(x)
-  # A sharded array is left as it is: its reshape would be a reshard.
-  if x.size == 0 or x.size >= LIBRARY_REDUCTION_SIZE or not placement.is_replicated(x):
-    return jnp.sum(fn(x), axes, keepdims=True)
+def _padded_sum(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
+                axes: tuple[int, ...]) -> jax.Array:
   shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
   kept = [a for a in range(x.ndim) if a not in axes]
   zero = jnp.zeros((), x.dtype)
@@ -210,3 +289,38 @@ def sum_of(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
   width = -(-LIBRARY_REDUCTION_SIZE // rows)
   flat = jax.lax.pad(flat, zero, [(0, 0, 0), (0, width - flat.shape[1], 0)])
   return jnp.sum(fn(flat), axis=1).reshape(shape)
+
+
+def sum_of(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
+           axes: tuple[int, ...]) -> jax.Array:
+  """``jnp.sum(fn(x), axes, keepdims=True)``, where ``fn`` maps 0 to 0, elementwise.
+
+  On the CPU, a small ``x`` (fewer than :data:`LIBRARY_REDUCTION_SIZE` elements) is
+  padded with zeros to that size first, so that XLA's CPU backend compiles the reduction
+  as a library kernel rather than as LLVM loop kernels: a small leaf's two reductions
+  (its parameter scale and its clipping) and a factored leaf's row normaliser cost the
+  compiler about a tenth as much. The zeros add nothing to the sum. ``fn`` runs on the
+  padded array, so that the padding fuses into the reduction with it. An array not known
+  to be whole on every device (:func:`placement.is_replicated`) is reduced as it is: its
+  reshape would be a reshard. Other compilers have no library reductions to reach: they
+  reduce ``x`` as it is.
+
+  Pinned by ``tests/test_compile.py::test_small_reductions_are_library_kernels``.
+
+  >>> sum_of(jnp.square, jnp.arange(6.0).reshape(2, 3), (1,)).tolist()
+  [[5.0], [50.0]]
+  """
+  if not axes:
+    return fn(x)
+
+  def plain(x):
+    return [jnp.sum(fn(x), axes, keepdims=True)]
+
+  if (not isinstance(x, jax.core.Tracer) or x.size == 0 or x.size >= LIBRARY_REDUCTION_SIZE
+      or not placement.is_replicated(x)):
+    return plain(x)[0]
+  shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
+  out = jax.typeof(x).update(shape=shape, dtype=numerics.real_dtype(x.dtype), weak_type=False)
+  (total,) = _per_compiler(MEASURED_ON_CPU, lambda x: [_padded_sum(fn, x, axes)], plain, [x],
+                          [out])
+  return total

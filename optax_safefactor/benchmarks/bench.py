@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor.benchmarks import common, trees
+from optax_safefactor.benchmarks import common, compiled, targets, trees
 from optax_safefactor.benchmarks.common import HelpFormatter, format_range, plural, wrap
 
 
@@ -290,12 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
           f"tree; a small one ({SMALL_RUN}) {SMALL_RUN_TIME}. Each tree's rows are printed "
           "as soon as they are measured."))
   parser.add_argument(
-      "--trees", nargs="+", choices=sorted(trees.TREES), default=sorted(trees.TREES),
-      metavar="TREE",
+      "--trees", nargs="+", choices=sorted(trees.TREES), default=None, metavar="TREE",
       help="parameter trees to measure, any of: 600-leaves (50 unscanned layers of 12 "
            "leaves, 10M params), gpt2-small (GPT-2 small, 124M), scanned-24 (24 layers "
-           "stacked on a leading axis, 7 leaves, 194M), vit-b16 (ViT-B/16, 87M); params "
-           "at --scale 1 (all four)")
+           "stacked on a leading axis, 7 leaves, 194M), vit-b16 (ViT-B/16, 87M), 1b-slice "
+           "(4 layers of a 1B-class model, 267M); params at --scale 1 (on the CPU all but "
+           "1b-slice; on an accelerator target 1b-slice, gpt2-small and 600-leaves)")
   parser.add_argument(
       "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
       metavar="DTYPE", help="dtypes of the params and gradients: float32, bfloat16 (both)")
@@ -312,6 +312,19 @@ def build_parser() -> argparse.ArgumentParser:
            "and the scale-copy once, interleaved. Medians and the min / max spread are "
            "over these rounds; 3 or more to see the noise (5)")
   parser.add_argument(
+      "--target", choices=sorted(targets.TARGETS), default="cpu", metavar="TARGET",
+      help="where to measure: cpu runs and times the steps on this machine; tpu-v5e, "
+           "tpu-v6e, tpu-v5p, tpu-v4, h100 and a100 compile them for that accelerator "
+           "without one and report the compiler's figures (memory traffic in passes over "
+           "the params, temporaries, fusions, compile time), never run; these need the "
+           "accel extra (pip install 'optax-safefactor[accel]') and, for h100 and a100, "
+           "JAX_PLATFORMS=cpu (cpu)")
+  parser.add_argument(
+      "--configs", nargs="+", choices=list(compiled.CONFIGS), default=None, metavar="CONFIG",
+      help="with an accelerator --target, safefactor's configurations to compile, any of: "
+           f"{', '.join(repr(c) for c in compiled.CONFIGS)} "
+           f"({', '.join(repr(c) for c in compiled.DEFAULT_CONFIGS)})")
+  parser.add_argument(
       "--json", type=pathlib.Path, default=None, metavar="FILE",
       help="also write the rows to FILE as JSON: every figure, its spread and the "
            "per-round times in seconds; its folder is created and checked before the run")
@@ -325,6 +338,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = common.json_problem(args.json)
     if problem is not None:
       return common.fail(parser.prog, f"cannot write --json {args.json}: {problem}")
+  target = targets.TARGETS[args.target]
+  if target.platform != "cpu":
+    return _main_compiled(parser, args, target)
+  if args.configs is not None:
+    return common.fail(parser.prog, "--configs is for an accelerator --target: on the CPU "
+                       "every configuration is timed")
+  args.trees = args.trees or list(trees.TIMED_BY_DEFAULT)
   print(common.backend_summary(), file=sys.stderr)
   # A full run takes long and can run out of memory on its largest tree: each tree's rows
   # are printed (and the JSON rewritten) as soon as they are measured, so they survive.
@@ -344,6 +364,34 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(legend(rows))
   if args.json is not None:
     print(f"json: {args.json}")
+  return 0
+
+
+#: The trees an accelerator target compiles by default.
+COMPILED_BY_DEFAULT = ("1b-slice", "gpt2-small", "600-leaves")
+
+
+def _main_compiled(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   target: targets.Target) -> int:
+  """``main`` for an accelerator target: compiled-only rows (``benchmarks.compiled``)."""
+  problem = targets.missing_compiler(target)
+  if problem is not None:
+    return common.fail(parser.prog, f"cannot compile for {target.name}: {problem}")
+  print(f"compiling for {target.label}; nothing runs", file=sys.stderr)
+  print(compiled.markdown_header(), flush=True)
+  rows, started = [], time.perf_counter()
+  for tree in args.trees or COMPILED_BY_DEFAULT:
+    for dtype in args.dtypes:
+      measured = compiled.measure(
+          target.name, tree, dtype, args.scale, args.configs or compiled.DEFAULT_CONFIGS,
+          progress=lambda what: print(f"[{time.perf_counter() - started:.0f} s] {what}",
+                                      file=sys.stderr, flush=True))
+      rows.extend(measured)
+      print(compiled.markdown_rows(measured), flush=True)
+      if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+  print()
+  print(compiled.LEGEND)
   return 0
 
 

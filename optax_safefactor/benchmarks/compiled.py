@@ -1,0 +1,158 @@
+"""``python -m optax_safefactor bench --target tpu-v5e|tpu-v6e|h100|a100``: compiled only.
+
+On an accelerator target the train step (update + ``apply_updates``, params and state
+donated) is compiled for that accelerator on this machine, without one, and never run:
+its figures are the compiler's, not measured times. Per tree, dtype and configuration,
+against ``optax.adafactor`` compiled alike:
+
+* passes: bytes the program moves to and from device memory (``targets.traffic_bytes``)
+  / the params' bytes. ``p - lr * g`` moves 3 (any step reads g and p and writes p);
+  Adafactor's exact floor and the guarded step's floor are printed beside it
+  (:func:`floors`).
+* temporaries: XLA's temporary buffers / the params' bytes.
+* fusions: fused kernels in the optimised program.
+* compile: seconds to trace, lower and compile (one compile, in this process).
+
+Nothing is allocated: params, gradients and state are ``jax.ShapeDtypeStruct``s placed on
+one device of the target (``targets.devices``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import optax
+
+import optax_safefactor as osf
+from optax_safefactor.benchmarks import common, targets, trees
+
+#: safefactor's configurations on an accelerator target, each against optax.adafactor's
+#: at the same learning rate and momentum where optax has one.
+CONFIGS: dict[str, dict] = {
+    "default": {},
+    "momentum": {"momentum": 0.9},
+    "guard off": {"skip_nonfinite_steps": False},
+    "momentum, guard off": {"momentum": 0.9, "skip_nonfinite_steps": False},
+    "stochastic": {"param_rounding": "stochastic"},
+    "kahan": {"param_rounding": "kahan"},
+    "spikes": {"skip_spikes": 6.0},
+    "unpacked": {"pack_small_leaves": False},
+}
+
+#: The configurations a run measures by default (--configs).
+DEFAULT_CONFIGS = ("default", "momentum", "guard off", "momentum, guard off", "stochastic",
+                   "kahan")
+
+# The optax configuration each of safefactor's is compared with.
+_OPTAX_MOMENTUM = {name: config.get("momentum") for name, config in CONFIGS.items()}
+
+
+def _placed(tree, device) -> dict:
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def compile_for(target: targets.Target, tx: optax.GradientTransformation, shapes: dict):
+  """``(compiled, seconds)``: the train step of ``tx`` on ``shapes`` compiled for ``target``."""
+  device = targets.devices(target.name)[0]
+  params = _placed(shapes, device)
+  state = _placed(jax.eval_shape(tx.init, params), device)
+  start = time.perf_counter()
+  compiled = jax.jit(common.train_step(tx), donate_argnums=(0, 1)).trace(
+      params, state, params).lower().compile()
+  return compiled, time.perf_counter() - start
+
+
+def floors(shapes: dict, momentum: bool, guarded: bool) -> dict[str, float]:
+  """The least traffic, in passes over the params' bytes, of steps on ``shapes``.
+
+  ``copy``: any step that reads g and p and writes p (3). ``adafactor``: the exact
+  Adafactor step (``bench.minimum_traffic_bytes``: a factored leaf's gradient read for
+  its statistics, its clipping and its update, its param read for its scale and its
+  update and written; momentum read and written once). ``guarded``: with the skip guard,
+  whose verdict reads every leaf's statistics before any leaf is written, the old
+  momentum is read once more for its finiteness check (numerics rule 5: a NaN in the
+  state must skip the step).
+  """
+  from optax_safefactor.benchmarks import bench
+
+  param_bytes = common.nbytes(shapes)
+  exact = bench.minimum_traffic_bytes(shapes, momentum) / param_bytes
+  momentum_read = 4 * common.count(shapes) / param_bytes if momentum and guarded else 0.0
+  return {"copy": 3.0, "adafactor": exact, "guarded": exact + momentum_read}
+
+
+def measure(target_name: str, tree: str, dtype_name: str, scale: float,
+            configs: Sequence[str], progress: Callable[[str], None] = lambda _: None
+            ) -> list[dict]:
+  """One row per optimizer and configuration: see the module's docstring."""
+  target = targets.TARGETS[target_name]
+  shapes = trees.shape_structs(tree, scale, dtype_name)
+  param_bytes = common.nbytes(shapes)
+  candidates = {}
+  for name in configs:
+    momentum = _OPTAX_MOMENTUM[name]
+    optax_name = "momentum" if momentum is not None else "default"
+    if ("optax.adafactor", optax_name) not in candidates:
+      candidates[("optax.adafactor", optax_name)] = optax.adafactor(1e-3, momentum=momentum)
+    candidates[("safefactor", name)] = osf.safefactor(1e-3, **CONFIGS[name])
+  rows = []
+  for (optimizer, config), tx in candidates.items():
+    progress(f"{target.name} {tree} {dtype_name} {config}: {optimizer}")
+    compiled, seconds = compile_for(target, tx, shapes)
+    text = compiled.as_text()
+    memory = compiled.memory_analysis()
+    settings = CONFIGS.get(config, {})
+    rows.append({
+        "target": target.name, "tree": tree, "dtype": dtype_name, "config": config,
+        "optimizer": optimizer, "params": common.count(shapes),
+        "leaves": len(jax.tree.leaves(shapes)),
+        "passes": targets.traffic_bytes(target, compiled) / param_bytes,
+        "temp": (None if memory is None else memory.temp_size_in_bytes / param_bytes),
+        "fusions": targets.fusions(text), "compile_s": seconds,
+        "control_flow": targets.control_flow(text),
+        "floors": floors(shapes, "momentum" in settings or config == "momentum",
+                         settings.get("skip_nonfinite_steps", True)
+                         and optimizer == "safefactor"),
+    })
+  by_config = {row["config"]: row for row in rows if row["optimizer"] == "optax.adafactor"}
+  for row in rows:
+    base = by_config["momentum" if _OPTAX_MOMENTUM.get(row["config"]) else "default"]
+    row["passes_ratio"] = row["passes"] / base["passes"]
+    row["compile_ratio"] = row["compile_s"] / base["compile_s"]
+  return rows
+
+
+COLUMNS = ("target", "tree", "dtype", "config", "optimizer", "passes (ratio)",
+           "floors: exact / guarded", "temporaries", "fusions", "compile (ratio)")
+
+
+def markdown_header() -> str:
+  return "| " + " | ".join(COLUMNS) + " |\n" + "|" + "---|" * len(COLUMNS)
+
+
+def markdown_rows(rows: Sequence[dict]) -> str:
+  lines = []
+  for r in rows:
+    temp = "n/a" if r["temp"] is None else f"{r['temp']:.3f}"
+    flags = " (control flow: TPU count partial)" if r["control_flow"] else ""
+    lines.append(
+        f"| {r['target']} | {r['tree']} ({r['params'] / 1e6:.3g}M, {r['leaves']} leaves) "
+        f"| {r['dtype']} | {r['config']} | {r['optimizer']} "
+        f"| {r['passes']:.2f} ({r['passes_ratio']:.2f}x){flags} "
+        f"| {r['floors']['adafactor']:.2f} / {r['floors']['guarded']:.2f} | {temp} "
+        f"| {r['fusions']} | {r['compile_s']:.1f} s ({r['compile_ratio']:.2f}x) |")
+  return "\n".join(lines)
+
+
+LEGEND = """Compiled for the target on this machine, without the accelerator, and never run:
+every figure is the compiler's. passes: bytes moved to and from device memory / the params'
+bytes (TPU: HBM bytes read off the optimised program's memory spaces; GPU: XLA's cost
+analysis of the GPU program); 3.00 is p - lr * g, the least any step moves. ratio: to
+optax.adafactor's at the same learning rate and momentum. floors: the exact Adafactor
+step's least traffic, and the guarded step's (the old momentum read once more for the
+skip's check). temporaries: XLA's temporary buffers / the params' bytes. compile: trace,
+lower and compile in this process (one compile each: tens of percent between runs)."""
+
