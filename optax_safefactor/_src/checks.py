@@ -217,6 +217,18 @@ def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = Fal
         grads, params)
 
 
+def check_leaf_state(path: KeyPath, grad: Any, moment: Any, plan: Any, momentum: Any,
+                     statistics_dtype: tuple[Any, str], momentum_dtype: tuple[Any, str]) -> None:
+  """A leaf's state as this optimizer keeps it: statistics of the plan's shapes
+  (:func:`check_moment_fits_plan`) and, like its momentum, in the dtype it keeps them in
+  (:func:`check_state_dtype`; each dtype with the argument that sets it)."""
+  check_moment_fits_plan(path, grad, moment, plan)
+  for stat in moment:
+    check_state_dtype(path, "second moment", stat.dtype, *statistics_dtype)
+  if momentum is not None:
+    check_state_dtype(path, "momentum", momentum.dtype, *momentum_dtype)
+
+
 def check_moment_fits_plan(path: KeyPath, grad: Any, moment: Any, plan: Any) -> None:
   """A leaf's statistics must have the shapes its plan gives (keepdims).
 

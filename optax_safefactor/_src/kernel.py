@@ -31,6 +31,7 @@ other, which is what keeps the step's temporaries small (see ``xla_hints.py``).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -96,7 +97,7 @@ def sum_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> tuple[jax.Array
   if x.size == 0:
     shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
     return jnp.zeros(shape if keep_axes else (), numerics.real_dtype(x.dtype)), count
-  total = xla_hints.sum_of(numerics.abs_sq, x, axes)
+  total = xla_hints.sum_of(x, axes, square=True)
   return (total if keep_axes else total.reshape(())), count
 
 
@@ -214,7 +215,7 @@ def scale_factors(
   row = jnp.maximum(moment.v_row.astype(stat_dtype), floor)
   col = jnp.maximum(moment.v_col.astype(stat_dtype), floor)
   rows = math.prod([row.shape[a] for a in plan.row_axes])
-  root_normaliser = jnp.sqrt(xla_hints.sum_of(lambda r: r, row, plan.row_axes) / rows)
+  root_normaliser = jnp.sqrt(xla_hints.sum_of(row, plan.row_axes) / rows)
   # sqrt(normaliser) * rsqrt(row), not sqrt(normaliser / row): the quotient overflows to
   # inf (and so to the cap) for a row on the floor once the normaliser passes
   # max / floor (4 with eps=0, 3.4e8 with eps=1e-30), far from any underflow of the
@@ -430,15 +431,18 @@ def leaf_scaling(
 def leaf_update(
     hp: Hyperparams, step: StepValues, step_finite: jax.Array | None, grad: jax.Array,
     leaf: Leaf, scaling: LeafScaling, momentum: jax.Array | None,
-    param: jax.Array | None, compensation: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    param: jax.Array | None, compensation: jax.Array | None, new_moment: Moment,
+    moment: Moment,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, Moment]:
   """Second half: the update, scaled again from the gradient, with the skip applied.
 
   ``step_finite`` is ``None`` without a guard, else the step's scalar verdict: a
-  skipped step gives zero updates and the old momentum and compensation, exactly.
+  skipped step gives zero updates and the old statistics, momentum and compensation,
+  exactly. ``new_moment`` is the first half's, ``moment`` the state's.
 
   Returns:
-    ``(update, new_momentum, new_compensation)``; the update is in the gradient's dtype.
+    ``(update, new_momentum, new_compensation, kept_moment)``; the update is in the
+    gradient's dtype.
   """
   ct = leaf.compute_dtype
   factors, multiplier = xla_hints.unmergeable((scaling.factors, scaling.multiplier))
@@ -462,4 +466,5 @@ def leaf_update(
                                         grad.dtype, leaf.rounding, compensation)
   if compensation is not None:
     new_compensation = keep_unless_skipped(step_finite, new_compensation, compensation)
-  return zero_if_skipped(step_finite, update), new_momentum, new_compensation
+  kept_moment = type(moment)(*map(partial(keep_unless_skipped, step_finite), new_moment, moment))
+  return zero_if_skipped(step_finite, update), new_momentum, new_compensation, kept_moment

@@ -167,10 +167,21 @@ def packed_leaf(group: Group, leaves: list[kernel.Leaf]) -> kernel.Leaf:
 
 
 class Unit(NamedTuple):
-  """What one call of the kernel steps: one leaf, or a group of leaves packed as rows."""
+  """What one call of the kernel steps: one leaf, or a group of leaves packed as rows.
+
+  Attributes:
+    group: the leaves it steps.
+    packed: whether they are packed as rows; a unit of one leaf stepped alone is not, and
+      its inputs and results are that leaf's own (no gather, no scatter).
+    index: the first member's position in the tree's leaf order: the leaf itself, for a
+      unit that is not packed.
+    owned: the leaves whose results it gives (``Group.owned``).
+  """
 
   group: Group
   packed: bool
+  index: int
+  owned: tuple[int, ...]
 
 
 def units(grads: list, leaves: list, moments: list, params: list, momenta: list,
@@ -179,8 +190,8 @@ def units(grads: list, leaves: list, moments: list, params: list, momenta: list,
   groups = (find_groups(grads, leaves, moments, params, momenta, compensations)
             if enabled else [])
   packed = {index for group in groups for index in group.owned}
-  return [Unit(group, True) for group in groups] + [
-      Unit(Group((index,), (tuple(grad.shape),)), False)
+  return [Unit(group, True, group.members[0], group.owned) for group in groups] + [
+      Unit(Group((index,), (tuple(grad.shape),)), False, index, (index,))
       for index, grad in enumerate(grads) if index not in packed]
 
 

@@ -9,7 +9,6 @@ the step's skip verdict from the leaves' flags, per leaf the second half
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -64,24 +63,6 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
 
 
-def _check_state_dtypes(hp: Hyperparams, grads: Any, state: AdafactorState) -> None:
-  """Each statistic and momentum in the dtype this optimizer keeps it in (``TypeError``)."""
-
-  def check_leaf(path, grad, moment, momentum):
-    for stat in moment:
-      checks.check_state_dtype(path, "second moment", stat.dtype,
-                               numerics.resolve_state_dtype(hp.state_dtype, grad.dtype),
-                               f"state_dtype={hp.state_dtype!r}")
-    if momentum is not None:
-      checks.check_state_dtype(path, "momentum", momentum.dtype,
-                               momentum_dtype(hp.dtype_momentum, grad.dtype),
-                               f"dtype_momentum={hp.dtype_momentum!r}")
-
-  momentum_tree = (jax.tree.map(lambda _: None, grads) if state.momentum is None
-                   else state.momentum)
-  jax.tree_util.tree_map_with_path(check_leaf, grads, state.second_moment, momentum_tree)
-
-
 def treedef_leaves(reference: Any, tree: Any) -> list[Any]:
   """The per-leaf values of ``tree`` (shaped like ``reference``), in its leaf order."""
   return jax.tree.structure(reference).flatten_up_to(tree)
@@ -126,8 +107,6 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     expected = counters.SkipNonfiniteState if guarded else AdafactorState
     checks.check_state_type(state, expected, updates)
     inner = state.inner_state if guarded else state
-    if guarded:
-      guard.check_spike_state(state, hp.skip_spikes, hp.spike_window)
     checks.check_counters(inner, ("count",))
     checks.check_has_momentum(inner.momentum, hp.momentum)
     if params is None and hp.needs_params:
@@ -138,19 +117,29 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       )
     checks.check_update_against_state(updates, params, inner.second_moment,
                                       kernel.MOMENT_TYPES)
-    _check_state_dtypes(hp, updates, inner)
+    if guarded:
+      guard.check_spike_state(state, hp.skip_spikes, hp.spike_window)
     none_tree = jax.tree.map(lambda _: None, updates)
     masks = (_decay_masks(hp.weight_decay_mask, updates) if hp.weight_decay_rate is not None
              else none_tree)
+    momentum_tree = none_tree if hp.momentum is None else inner.momentum
 
-    numbers_by_dtype = {}  # the dtype rules, worked out once per gradient dtype
+    # The dtype rules, worked out once per gradient dtype: the numbers, and the dtypes this
+    # optimizer keeps the statistics and the momentum in.
+    numbers_by_dtype = {}
 
-    def leaf_of(path, grad, moment, mask):
+    def leaf_of(path, grad, moment, mask, momentum):
       numbers = numbers_by_dtype.get(grad.dtype)
       if numbers is None:
-        numbers = numbers_by_dtype[grad.dtype] = numerics.leaf_numbers(grad.dtype, hp.eps)
+        numbers = numbers_by_dtype[grad.dtype] = (
+            numerics.leaf_numbers(grad.dtype, hp.eps),
+            numerics.resolve_state_dtype(hp.state_dtype, grad.dtype),
+            momentum_dtype(hp.dtype_momentum, grad.dtype))
+      numbers, state_dtype, kept_momentum_dtype = numbers
       plan = planner(path, grad.shape, isinstance(moment, kernel.FactoredMoment))
-      checks.check_moment_fits_plan(path, grad, moment, plan)
+      checks.check_leaf_state(path, grad, moment, plan, momentum,
+                              (state_dtype, f"state_dtype={hp.state_dtype!r}"),
+                              (kept_momentum_dtype, f"dtype_momentum={hp.dtype_momentum!r}"))
       return kernel.Leaf(
           plan=plan,
           compute_dtype=numbers.compute,
@@ -163,36 +152,39 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                                             path) if rounds_onto_params else None),
       )
 
-    leaves = jax.tree_util.tree_map_with_path(leaf_of, updates, inner.second_moment, masks)
-    real_dtypes = set()
-    for numbers in numbers_by_dtype.values():
-      real_dtypes.add(numbers.real)
+    leaves = jax.tree_util.tree_map_with_path(leaf_of, updates, inner.second_moment, masks,
+                                              momentum_tree)
+    real_dtypes = {numbers.real for numbers, _, _ in numbers_by_dtype.values()}
     step = schedules.step_values(hp, inner.count, real_dtypes)
     params_tree = none_tree if params is None else params
     # Every tree below is read up to the structure of ``updates``: a per-leaf value
     # (a moment, a Leaf) arrives whole.
-    momentum_tree = none_tree if hp.momentum is None else inner.momentum
     compensation_tree = none_tree if inner.compensation is None else inner.compensation
     # The leaves, then the units the kernel steps: a leaf alone, or small leaves packed.
     columns = [treedef_leaves(updates, tree) for tree in (
         updates, leaves, inner.second_moment, params_tree, momentum_tree, compensation_tree)]
     units = packing.units(*columns, enabled=hp.pack_small_leaves)
-    inputs = [[packing.gather(unit, column) for column in columns] for unit in units]
+    # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups only.
+    inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
+              else [column[unit.index] for column in columns] for unit in units]
     first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]
     leaf_count = len(columns[0])
 
     def per_leaf(values_by_unit, split):
       flat = [None] * leaf_count
       for unit, value in zip(units, values_by_unit, strict=True):
+        if not unit.packed:
+          flat[unit.index] = value
+          continue
         for index, member in zip(unit.group.owned, split(unit, value), strict=True):
           flat[index] = member
       return flat
 
     # The flags as one vector in unit order (a packed unit brings one per row), then in
     # the leaves' order for the counters: one gather where packing reordered them.
-    finite_by_unit = flag_vector([packing.owned_rows(unit, finite)
+    finite_by_unit = flag_vector([packing.owned_rows(unit, finite) if unit.packed else finite
                                   for unit, (_, _, finite) in zip(units, first_half, strict=True)])
-    unit_order = [index for unit in units for index in unit.group.owned]
+    unit_order = [index for unit in units for index in unit.owned]
     leaf_finite = (finite_by_unit if unit_order == sorted(unit_order)
                    else finite_by_unit[np.argsort(unit_order)])
     step_finite = xla_hints.computed_once([finite_by_unit]) if guarded else None
@@ -208,24 +200,25 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       applied = xla_hints.computed_once([step_finite, ~spike.skip])
 
     second_half = [
-        kernel.leaf_update(hp, step, applied, grad, leaf, scaling, momentum, param, compensation)
-        for (grad, leaf, _, param, momentum, compensation), (_, scaling, _)
+        kernel.leaf_update(hp, step, applied, grad, leaf, scaling, momentum, param, compensation,
+                           new_moment, moment)
+        for (grad, leaf, moment, param, momentum, compensation), (new_moment, scaling, _)
         in zip(inputs, first_half, strict=True)]
-    kept_second = [jax.tree.map(partial(keep_unless_skipped, applied), new, unit_inputs[2])
-                   for (new, _, _), unit_inputs in zip(first_half, inputs, strict=True)]
 
-    row_index = (xla_hints.row_indices(inner.count, packing.ROWS_PER_GROUP)
-                 if any(unit.packed for unit in units) else [])
+    any_packed = any(unit.packed for unit in units)
+    row_index = xla_hints.row_indices(inner.count, packing.ROWS_PER_GROUP) if any_packed else []
+
+    treedef = jax.tree.structure(updates)
 
     def tree_of(values_by_unit):
-      return jax.tree.unflatten(jax.tree.structure(updates), per_leaf(
+      return treedef.unflatten(per_leaf(
           values_by_unit, lambda unit, value: packing.scatter(unit, value, row_index)))
 
-    new_updates, new_first, new_compensation = [
-        tree_of([outputs[k] for outputs in second_half]) for k in range(3)]
+    new_updates, new_first, new_compensation, kept_second = [
+        tree_of([outputs[k] for outputs in second_half]) for k in range(4)]
     new_inner = AdafactorState(
         keep_unless_skipped(applied, optax.safe_increment(inner.count), inner.count),
-        tree_of(kept_second),
+        kept_second,
         new_first if hp.momentum is not None else None,
         new_compensation if inner.compensation is not None else None,
     )

@@ -103,10 +103,11 @@ def _unchanged(*values: jax.Array) -> list[jax.Array]:
 def _barrier_on_cpu(values: Sequence[jax.Array]) -> list[jax.Array]:
   """``values`` through an optimization barrier on the CPU, as they are elsewhere."""
   values = list(values)
-  if not values or not any(isinstance(v, jax.core.Tracer) for v in values):
-    return values  # eager: nothing to schedule
-  return _per_compiler(MEASURED_ON_CPU, _barrier, _unchanged, values,
-                      [jax.typeof(v) for v in values])
+  for value in values:
+    if isinstance(value, jax.core.Tracer):
+      return _per_compiler(MEASURED_ON_CPU, _barrier, _unchanged, values,
+                           [jax.typeof(v) for v in values])
+  return values  # eager: nothing to schedule
 
 
 def separate_reads(*values: T) -> tuple[T, ...]:
@@ -167,7 +168,7 @@ def computed_once(bools: list[jax.Array]) -> jax.Array:
   """
   if not bools:
     return jnp.array(True)
-  flags = trees.flag_vector(bools)
+  flags = bools[0] if len(bools) == 1 and jnp.ndim(bools[0]) == 1 else trees.flag_vector(bools)
   return jax.lax.platform_dependent(flags, cpu=_all_through_exp, default=jnp.all)
 
 
@@ -275,8 +276,8 @@ def finite_by_sum(x: jax.Array, per_row: bool = False) -> jax.Array:
                               axis=tuple(range(1, x.ndim)) if per_row else None))
 
 
-def _padded_sum(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
-                axes: tuple[int, ...]) -> jax.Array:
+def _padded_sum(x: jax.Array, axes: tuple[int, ...], square: bool) -> jax.Array:
+  fn = numerics.abs_sq if square else _identity
   shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
   kept = [a for a in range(x.ndim) if a not in axes]
   zero = jnp.zeros((), x.dtype)
@@ -291,25 +292,30 @@ def _padded_sum(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
   return jnp.sum(fn(flat), axis=1).reshape(shape)
 
 
-def sum_of(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
-           axes: tuple[int, ...]) -> jax.Array:
-  """``jnp.sum(fn(x), axes, keepdims=True)``, where ``fn`` maps 0 to 0, elementwise.
+def _identity(x: jax.Array) -> jax.Array:
+  return x
+
+
+def sum_of(x: jax.Array, axes: tuple[int, ...], *, square: bool = False) -> jax.Array:
+  """``jnp.sum(x, axes, keepdims=True)``, or of ``|x|**2`` with ``square``.
 
   On the CPU, a small ``x`` (fewer than :data:`LIBRARY_REDUCTION_SIZE` elements) is
   padded with zeros to that size first, so that XLA's CPU backend compiles the reduction
   as a library kernel rather than as LLVM loop kernels: a small leaf's two reductions
   (its parameter scale and its clipping) and a factored leaf's row normaliser cost the
-  compiler about a tenth as much. The zeros add nothing to the sum. ``fn`` runs on the
-  padded array, so that the padding fuses into the reduction with it. An array not known
+  compiler about a tenth as much. The zeros add nothing to the sum (nor do their squares).
+  The square runs on the padded array, so that the padding fuses into the reduction with
+  it. An array not known
   to be whole on every device (:func:`placement.is_replicated`) is reduced as it is: its
   reshape would be a reshard. Other compilers have no library reductions to reach: they
   reduce ``x`` as it is.
 
   Pinned by ``tests/test_compile.py::test_small_reductions_are_library_kernels``.
 
-  >>> sum_of(jnp.square, jnp.arange(6.0).reshape(2, 3), (1,)).tolist()
+  >>> sum_of(jnp.arange(6.0).reshape(2, 3), (1,), square=True).tolist()
   [[5.0], [50.0]]
   """
+  fn = numerics.abs_sq if square else _identity
   if not axes:
     return fn(x)
 
@@ -321,6 +327,6 @@ def sum_of(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
     return plain(x)[0]
   shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
   out = jax.typeof(x).update(shape=shape, dtype=numerics.real_dtype(x.dtype), weak_type=False)
-  (total,) = _per_compiler(MEASURED_ON_CPU, lambda x: [_padded_sum(fn, x, axes)], plain, [x],
+  (total,) = _per_compiler(MEASURED_ON_CPU, lambda x: [_padded_sum(x, axes, square)], plain, [x],
                           [out])
   return total
