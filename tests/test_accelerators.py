@@ -168,3 +168,13 @@ def test_sharded_over_a_tpu_mesh_gathers_no_parameter():
   for shape_text in gathered:
     dims = [int(d) for d in re.findall(r"\d+", shape_text.split("[")[1])]
     assert int(np.prod(dims)) < largest_leaf, shape_text
+
+
+def test_max_consecutive_skips_compiles_for_a_tpu_not_for_a_deviceless_gpu(target):
+  # Its stop is a host callback: docs/guides/nonfinite_and_spikes.md says where it compiles.
+  tx = osf.safefactor(1e-3, max_consecutive_skips=3)
+  if target.platform == "tpu":
+    _passes(target, tx, _small_tree())
+  elif MEASURED_RELEASE:
+    with pytest.raises(Exception, match="Unknown backend"):
+      _passes(target, tx, _small_tree())

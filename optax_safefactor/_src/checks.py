@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from functools import partial
 from typing import Any
 
 import jax
@@ -209,44 +210,34 @@ def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = Fal
   an array and that shapes agree, and leaves dtypes to the wrapped transformation.
   """
   jax.tree_util.tree_map_with_path(
-      lambda path, g: check_param_leaf(path, g, "grad", any_dtype=any_dtype), grads)
+      partial(check_param_leaf, what="grad", any_dtype=any_dtype), grads)
   if params is not None:
     check_same_structure(grads, params, "params")
     jax.tree_util.tree_map_with_path(
-        lambda path, g, p: check_grad_matches_param(path, g, p, any_dtype=any_dtype),
+        partial(check_grad_matches_param, any_dtype=any_dtype),
         grads, params)
 
 
-def check_leaf_state(path: KeyPath, grad: Any, moment: Any, plan: Any, momentum: Any,
+def check_leaf_state(path: KeyPath, grad: Any, moment: Any, stat_shapes: dict, momentum: Any,
                      statistics_dtype: tuple[Any, str], momentum_dtype: tuple[Any, str]) -> None:
-  """A leaf's state as this optimizer keeps it: statistics of the plan's shapes
-  (:func:`check_moment_fits_plan`) and, like its momentum, in the dtype it keeps them in
-  (:func:`check_state_dtype`; each dtype with the argument that sets it)."""
-  check_moment_fits_plan(path, grad, moment, plan)
+  """A leaf's state as this optimizer keeps it: statistics of the shapes its plan gives
+  (``FactorPlan.stat_shapes``, keepdims) and, like its momentum, in the dtype it keeps them
+  in (:func:`check_state_dtype`; each dtype with the argument that sets it).
+
+  The state's shapes record the plan ``init`` used; a mismatch means the state was made
+  for other params or with other factoring settings.
+  """
+  found = {name: tuple(stat.shape) for name, stat in moment._asdict().items()}
+  if found != stat_shapes:
+    raise ValueError(
+        f"{path_name(path)}: optimizer state {found} does not fit grad shape "
+        f"{tuple(grad.shape)} (expected {stat_shapes}); was the state made for other "
+        "parameters, or with other factored / min_dim_size_to_factor / factor_rules?"
+    )
   for stat in moment:
     check_state_dtype(path, "second moment", stat.dtype, *statistics_dtype)
   if momentum is not None:
     check_state_dtype(path, "momentum", momentum.dtype, *momentum_dtype)
-
-
-def check_moment_fits_plan(path: KeyPath, grad: Any, moment: Any, plan: Any) -> None:
-  """A leaf's statistics must have the shapes its plan gives (keepdims).
-
-  The state's shapes record the plan ``init`` used; a mismatch means the state was
-  made for other params or with other factoring settings.
-  """
-  if plan.factored:
-    expected = {"v_row": plan.row_stat_shape(grad.shape),
-                "v_col": plan.col_stat_shape(grad.shape)}
-  else:
-    expected = {"v": tuple(grad.shape)}
-  found = {name: tuple(stat.shape) for name, stat in moment._asdict().items()}
-  if found != expected:
-    raise ValueError(
-        f"{path_name(path)}: optimizer state {found} does not fit grad shape "
-        f"{tuple(grad.shape)} (expected {expected}); was the state made for other "
-        "parameters, or with other factored / min_dim_size_to_factor / factor_rules?"
-    )
 
 
 def check_grad_shape(path: KeyPath, grad: Any, param: Any) -> None:
@@ -346,7 +337,13 @@ def check_update_against_state(grads: Any, params: Any | None, moments: Any,
   """:func:`check_update_inputs`, then the grads against the state's per-leaf moments
   (one node of ``moment_types`` per grad leaf)."""
   check_update_inputs(grads, params)
-  check_same_structure(
-      grads, jax.tree.map(lambda _: 0, moments, is_leaf=lambda x: isinstance(x, moment_types)),
-      "the optimizer state",
-  )
+  try:
+    per_leaf = jax.tree.structure(grads).flatten_up_to(moments)
+  except (ValueError, TypeError):
+    per_leaf = None
+  if per_leaf is None or not all(isinstance(m, moment_types) for m in per_leaf):
+    # Not one moment per grad leaf: say where the two trees differ.
+    check_same_structure(
+        grads, jax.tree.map(lambda _: 0, moments, is_leaf=lambda x: isinstance(x, moment_types)),
+        "the optimizer state",
+    )

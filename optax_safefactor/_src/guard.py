@@ -39,6 +39,7 @@ from jax.experimental import checkify
 from optax_safefactor._src import checks, numerics, reports, spikes, xla_hints
 from optax_safefactor._src.checked_mode import needs_checkify
 from optax_safefactor._src.counters import SkipNonfiniteState, count_call, init_guarded
+from optax_safefactor._src.kernel import abs_sq
 from optax_safefactor._src.trees import flag_vector, keep_unless_skipped, zero_if_skipped
 
 
@@ -160,7 +161,7 @@ def _square_sums(grads: Any) -> jax.Array:
     grad = jnp.asarray(grad)
     if not jnp.issubdtype(grad.dtype, jnp.inexact):
       return jnp.zeros([], jnp.float32)
-    return jnp.sum(numerics.abs_sq(grad.astype(numerics.compute_dtype(grad.dtype))))
+    return jnp.sum(abs_sq(grad.astype(numerics.compute_dtype(grad.dtype))))
 
   sums = [square_sum(grad).astype(jnp.float32) for grad in jax.tree.leaves(grads)]
   return jnp.stack(sums) if sums else jnp.zeros([0], jnp.float32)

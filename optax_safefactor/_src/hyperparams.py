@@ -193,29 +193,3 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
         "skip_spikes skips steps as the non-finite guard does and counts them in its state, "
         "so it needs skip_nonfinite_steps=True")
   return hyperparams
-
-
-def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
-  """The first moment's dtype: ``dtype_momentum`` by name, or the param's for ``None``.
-
-  A name gives a precision, real or complex as the param is (a complex param's
-  momentum is complex): ``"float32"`` and ``"complex64"`` both mean complex64 for a
-  complex param and float32 for a real one.
-
-  >>> momentum_dtype(None, jnp.bfloat16), momentum_dtype("float32", jnp.bfloat16)
-  (dtype(bfloat16), dtype('float32'))
-  >>> momentum_dtype("complex64", jnp.complex64), momentum_dtype("complex64", jnp.float32)
-  (dtype('complex64'), dtype('float32'))
-  """
-  if dtype_momentum is None:
-    return np.dtype(param_dtype)
-  if isinstance(dtype_momentum, (jax.Array, np.ndarray, jax.core.Tracer)):
-    # optax.inject_hyperparams calls every callable argument as a schedule, and a dtype
-    # class such as jnp.bfloat16 is callable: it arrives as a scalar of that dtype.
-    dtype_momentum = dtype_momentum.dtype
-  dtype = np.dtype(jnp.dtype(dtype_momentum))
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    dtype = np.dtype(jnp.finfo(dtype).dtype)  # the precision: float32 for complex64
-  if jnp.issubdtype(param_dtype, jnp.complexfloating):
-    return np.dtype(jnp.complex128) if dtype.itemsize >= 8 else np.dtype(jnp.complex64)
-  return dtype

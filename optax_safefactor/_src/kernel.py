@@ -83,6 +83,17 @@ def is_moment(x: Any) -> bool:
 # Squares -------------------------------------------------------------------------
 
 
+def abs_sq(x: jax.Array) -> jax.Array:
+  """``|x|**2`` as a real array (complex numbers get real second moments).
+
+  >>> abs_sq(jnp.array([3.0 + 4.0j])).tolist()
+  [25.0]
+  """
+  if jnp.iscomplexobj(x):
+    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
+  return x * x
+
+
 def sum_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> tuple[jax.Array, int]:
   """Sum of ``|x|**2`` over every axis but ``keep_axes`` (keepdims when any are kept),
   and how many terms each sum has.
@@ -92,12 +103,12 @@ def sum_abs_sq(x: jax.Array, keep_axes: tuple[int, ...] = ()) -> tuple[jax.Array
   different sizes share the flags' compiled kernels (a mean's ``1/n`` is a constant
   that makes each size's kernel its own).
   """
-  axes = tuple([a for a in range(x.ndim) if a not in keep_axes])
-  count = math.prod([x.shape[a] for a in axes])
+  axes = tuple(sorted(set(range(x.ndim)) - set(keep_axes)))
+  count = math.prod(map(x.shape.__getitem__, axes))
   if x.size == 0:
     shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
     return jnp.zeros(shape if keep_axes else (), numerics.real_dtype(x.dtype)), count
-  total = xla_hints.sum_of(x, axes, square=True)
+  total = xla_hints.sum_of(abs_sq(x), axes)
   return (total if keep_axes else total.reshape(())), count
 
 
@@ -147,7 +158,7 @@ def update_second_moment(
   ct = compute_dtype
   eps = jnp.asarray(eps, beta2.dtype)
   if isinstance(moment, FullMoment):
-    squares = numerics.abs_sq(grad.astype(ct))
+    squares = abs_sq(grad.astype(ct))
     blended = _blend(moment.v, squares + eps, beta2)
     terms = None
     if with_square_terms and rows_are_leaves:
@@ -158,8 +169,8 @@ def update_second_moment(
     return FullMoment(*store((blended,), moment.v.dtype, how,
                              (bit_streams.STREAM_STATISTICS,))), terms
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
-  row_mean = jnp.mean(numerics.abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
-  col_mean = jnp.mean(numerics.abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
+  row_mean = jnp.mean(abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
+  col_mean = jnp.mean(abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
   blended = (_blend(moment.v_row, row_mean, beta2), _blend(moment.v_col, col_mean, beta2))
   terms = (SquareSource("row_means", row_mean, grad.size // max(row_mean.size, 1))
            if with_square_terms else None)
@@ -260,14 +271,10 @@ def clipped(multiplier: jax.Array | None, mean_square: jax.Array, threshold: Any
   return numerator / jnp.maximum(jnp.asarray(1, dtype), jnp.sqrt(mean_square) / threshold)
 
 
-def param_rms(
-    param: jax.Array, batch_axes: tuple[int, ...], compute_dtype: Any
-) -> tuple[jax.Array, jax.Array]:
-  r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in the compute
-  dtype, and the sum of squares it comes from (finite exactly when the RMS is)."""
-  # Read a narrow param on its own, so the upcast fuses into this reduction and no
-  # float32 copy of it is kept for later passes.
-  total, count = sum_abs_sq(xla_hints.fresh_read(param, compute_dtype), batch_axes)
+def param_rms(param: jax.Array, batch_axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in ``param``'s
+  (compute) dtype, and the sum of squares it comes from (finite exactly when the RMS is)."""
+  total, count = sum_abs_sq(param, batch_axes)
   return jnp.sqrt(mean_of(total, count)), total
 
 
@@ -386,8 +393,14 @@ def leaf_scaling(
   # gradient anyway: no reduction of its own (tests/test_compile.py). Without a guard
   # nothing reads the verdict: the momentum is not read before it is blended.
   momentum_on_clipping = clipping and momentum is not None and hp.skip_nonfinite_steps
+  # The full-size reads of this half's reductions, in the compute dtype. A narrow param is
+  # read on its own, so that its upcast fuses into its reduction and no wide copy of it is
+  # kept for later passes.
+  grad_read = xla_hints.fresh_read(grad, ct) if clipping else None
+  param_read = (xla_hints.fresh_read(param, ct) if hp.multiply_by_parameter_scale
+                else None)
   if clipping:
-    scaled = scale_by_factors(xla_hints.fresh_read(grad, ct), factors)
+    scaled = scale_by_factors(grad_read, factors)
     if momentum_on_clipping:
       scaled = scaled + xla_hints.nan_unless_finite(momentum.astype(ct))
     # The flag reads the sum, not the mean: see sum_abs_sq.
@@ -398,7 +411,7 @@ def leaf_scaling(
     finite &= jnp.isfinite(learning_rate)
     multiplier = times(learning_rate)
   if hp.multiply_by_parameter_scale:
-    rms, param_square_sum = param_rms(param, plan.batch_axes, ct)
+    rms, param_square_sum = param_rms(param_read, plan.batch_axes)
     # The flag reads the reduction itself, not the clamp or the mean: XLA then copies
     # neither into the flag's kernel, which leaves of every size share.
     checked.append(param_square_sum)

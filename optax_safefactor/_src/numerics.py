@@ -50,9 +50,35 @@ def resolve_state_dtype(state_dtype: DTypeLike | None, param_dtype: DTypeLike) -
   return resolved
 
 
+def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
+  """The first moment's dtype: ``dtype_momentum`` by name, or the param's for ``None``.
+
+  A name gives a precision, real or complex as the param is (a complex param's
+  momentum is complex): ``"float32"`` and ``"complex64"`` both mean complex64 for a
+  complex param and float32 for a real one.
+
+  >>> momentum_dtype(None, jnp.bfloat16), momentum_dtype("float32", jnp.bfloat16)
+  (dtype(bfloat16), dtype('float32'))
+  >>> momentum_dtype("complex64", jnp.complex64), momentum_dtype("complex64", jnp.float32)
+  (dtype('complex64'), dtype('float32'))
+  """
+  if dtype_momentum is None:
+    return np.dtype(param_dtype)
+  if isinstance(dtype_momentum, (jax.Array, np.ndarray, jax.core.Tracer)):
+    # optax.inject_hyperparams calls every callable argument as a schedule, and a dtype
+    # class such as jnp.bfloat16 is callable: it arrives as a scalar of that dtype.
+    dtype_momentum = dtype_momentum.dtype
+  dtype = np.dtype(jnp.dtype(dtype_momentum))
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    dtype = np.dtype(jnp.finfo(dtype).dtype)  # the precision: float32 for complex64
+  if jnp.issubdtype(param_dtype, jnp.complexfloating):
+    return np.dtype(jnp.complex128) if dtype.itemsize >= 8 else np.dtype(jnp.complex64)
+  return dtype
+
+
 def smallest_normal(dtype: DTypeLike) -> float:
   """The smallest positive normal number of a dtype's real part."""
-  return float(jnp.finfo(real_dtype(dtype)).tiny)
+  return float(jnp.finfo(dtype).tiny)  # a complex dtype's finfo is its real part's
 
 
 def positive_floor(epsilon: jax.typing.ArrayLike, dtype: DTypeLike) -> jax.Array:
@@ -61,8 +87,8 @@ def positive_floor(epsilon: jax.typing.ArrayLike, dtype: DTypeLike) -> jax.Array
   A user's ``epsilon`` may be zero, or may round to zero in a narrow dtype; the
   floor never does.
   """
-  dtype = real_dtype(dtype)
-  return jnp.maximum(jnp.asarray(epsilon, dtype), jnp.asarray(smallest_normal(dtype), dtype))
+  info = jnp.finfo(dtype)  # of the real part, for a complex dtype
+  return jnp.maximum(jnp.asarray(epsilon, info.dtype), jnp.asarray(info.tiny, info.dtype))
 
 
 class LeafNumbers(NamedTuple):
@@ -92,17 +118,6 @@ def leaf_numbers(dtype: DTypeLike, epsilon: jax.typing.ArrayLike) -> LeafNumbers
   real = real_dtype(compute)
   cap = jax.lax.rsqrt(jnp.asarray(smallest_normal(real), real))
   return LeafNumbers(compute, real, positive_floor(epsilon, real), cap)
-
-
-def abs_sq(x: jax.Array) -> jax.Array:
-  """``|x|**2`` as a real array (complex numbers get real second moments).
-
-  >>> abs_sq(jnp.array([3.0 + 4.0j])).tolist()
-  [25.0]
-  """
-  if jnp.iscomplexobj(x):
-    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
-  return x * x
 
 
 def all_finite(*xs: jax.Array, per_row: bool = False) -> jax.Array:

@@ -61,6 +61,12 @@ class FactorPlan(NamedTuple):
     """Shape of ``v_col``: ``shape`` with the row axes set to 1."""
     return tuple([1 if axis in self.row_axes else size for axis, size in enumerate(shape)])
 
+  def stat_shapes(self, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The statistics' shapes for a leaf of ``shape``, by their names in the state."""
+    if self.factored:
+      return {"v_row": self.row_stat_shape(shape), "v_col": self.col_stat_shape(shape)}
+    return {"v": tuple(shape)}
+
 
 def default_plan(
     shape: Sequence[int], factored: bool, min_dim_size_to_factor: int

@@ -30,7 +30,7 @@ from optax_safefactor._src import (
   write_back,
   xla_hints,
 )
-from optax_safefactor._src.hyperparams import Hyperparams, momentum_dtype
+from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.plan import Planner
 from optax_safefactor._src.trees import flag_vector, keep_unless_skipped, unzip_leaf_results
 
@@ -63,11 +63,6 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
 
 
-def treedef_leaves(reference: Any, tree: Any) -> list[Any]:
-  """The per-leaf values of ``tree`` (shaped like ``reference``), in its leaf order."""
-  return jax.tree.structure(reference).flatten_up_to(tree)
-
-
 def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   """The transformation for validated ``hp``; guarded when ``hp.skip_nonfinite_steps``."""
   planner = Planner(hp.factored, hp.min_dim_size_to_factor, hp.factor_rules)
@@ -83,7 +78,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       moment = kernel.init_moment(leaf, planner(path, value.shape), hp.state_dtype, hp.eps)
       momentum = None
       if hp.momentum is not None:
-        momentum = leaf.full(value.shape, 0, momentum_dtype(hp.dtype_momentum, value.dtype))
+        dtype = numerics.momentum_dtype(hp.dtype_momentum, value.dtype)
+        momentum = leaf.full(value.shape, 0, dtype)
       compensation = None
       if keeps_compensation and write_back.is_narrow(value.dtype):
         compensation = leaf.full(value.shape, 0, value.dtype)
@@ -127,6 +123,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     # The dtype rules, worked out once per gradient dtype: the numbers, and the dtypes this
     # optimizer keeps the statistics and the momentum in.
     numbers_by_dtype = {}
+    real_dtypes = set()
 
     def leaf_of(path, grad, moment, mask, momentum):
       numbers = numbers_by_dtype.get(grad.dtype)
@@ -134,10 +131,11 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
         numbers = numbers_by_dtype[grad.dtype] = (
             numerics.leaf_numbers(grad.dtype, hp.eps),
             numerics.resolve_state_dtype(hp.state_dtype, grad.dtype),
-            momentum_dtype(hp.dtype_momentum, grad.dtype))
+            numerics.momentum_dtype(hp.dtype_momentum, grad.dtype))
+        real_dtypes.add(numbers_by_dtype[grad.dtype][0].real)
       numbers, state_dtype, kept_momentum_dtype = numbers
       plan = planner(path, grad.shape, isinstance(moment, kernel.FactoredMoment))
-      checks.check_leaf_state(path, grad, moment, plan, momentum,
+      checks.check_leaf_state(path, grad, moment, plan.stat_shapes(grad.shape), momentum,
                               (state_dtype, f"state_dtype={hp.state_dtype!r}"),
                               (kept_momentum_dtype, f"dtype_momentum={hp.dtype_momentum!r}"))
       return kernel.Leaf(
@@ -154,19 +152,20 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
     leaves = jax.tree_util.tree_map_with_path(leaf_of, updates, inner.second_moment, masks,
                                               momentum_tree)
-    real_dtypes = {numbers.real for numbers, _, _ in numbers_by_dtype.values()}
     step = schedules.step_values(hp, inner.count, real_dtypes)
     params_tree = none_tree if params is None else params
     # Every tree below is read up to the structure of ``updates``: a per-leaf value
     # (a moment, a Leaf) arrives whole.
     compensation_tree = none_tree if inner.compensation is None else inner.compensation
     # The leaves, then the units the kernel steps: a leaf alone, or small leaves packed.
-    columns = [treedef_leaves(updates, tree) for tree in (
+    treedef = jax.tree.structure(updates)
+    columns = [treedef.flatten_up_to(tree) for tree in (
         updates, leaves, inner.second_moment, params_tree, momentum_tree, compensation_tree)]
     units = packing.units(*columns, enabled=hp.pack_small_leaves)
     # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups only.
+    leaf_inputs = list(zip(*columns, strict=True))
     inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
-              else [column[unit.index] for column in columns] for unit in units]
+              else leaf_inputs[unit.index] for unit in units]
     first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]
     leaf_count = len(columns[0])
 
@@ -182,12 +181,12 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
     # The flags as one vector in unit order (a packed unit brings one per row), then in
     # the leaves' order for the counters: one gather where packing reordered them.
+    unit_order = [index for unit in units for index in unit.owned]
     finite_by_unit = flag_vector([packing.owned_rows(unit, finite) if unit.packed else finite
                                   for unit, (_, _, finite) in zip(units, first_half, strict=True)])
-    unit_order = [index for unit in units for index in unit.owned]
+    step_finite = xla_hints.computed_once([finite_by_unit]) if guarded else None
     leaf_finite = (finite_by_unit if unit_order == sorted(unit_order)
                    else finite_by_unit[np.argsort(unit_order)])
-    step_finite = xla_hints.computed_once([finite_by_unit]) if guarded else None
     spike, applied = None, step_finite
     if guarded and hp.skip_spikes is not None:
       terms = per_leaf([scaling.square_terms for _, scaling, _ in first_half],
@@ -208,14 +207,15 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     any_packed = any(unit.packed for unit in units)
     row_index = xla_hints.row_indices(inner.count, packing.ROWS_PER_GROUP) if any_packed else []
 
-    treedef = jax.tree.structure(updates)
-
     def tree_of(values_by_unit):
       return treedef.unflatten(per_leaf(
           values_by_unit, lambda unit, value: packing.scatter(unit, value, row_index)))
 
-    new_updates, new_first, new_compensation, kept_second = [
-        tree_of([outputs[k] for outputs in second_half]) for k in range(4)]
+    # Per output (update, momentum, compensation, statistics), its value in each unit; with
+    # nothing packed, the units are the leaves in order.
+    by_output = list(zip(*second_half, strict=True)) or [()] * 4
+    new_updates, new_first, new_compensation, kept_second = map(
+        tree_of if any_packed else treedef.unflatten, by_output)
     new_inner = AdafactorState(
         keep_unless_skipped(applied, optax.safe_increment(inner.count), inner.count),
         kept_second,

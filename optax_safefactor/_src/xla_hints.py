@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from optax_safefactor._src import numerics, placement, trees
+from optax_safefactor._src import placement, trees
 
 T = TypeVar("T")
 
@@ -276,57 +276,48 @@ def finite_by_sum(x: jax.Array, per_row: bool = False) -> jax.Array:
                               axis=tuple(range(1, x.ndim)) if per_row else None))
 
 
-def _padded_sum(x: jax.Array, axes: tuple[int, ...], square: bool) -> jax.Array:
-  fn = numerics.abs_sq if square else _identity
+def _padded_sum(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
   kept = [a for a in range(x.ndim) if a not in axes]
   zero = jnp.zeros((), x.dtype)
   if not kept:
     flat = jax.lax.pad(x.reshape(-1), zero, [(0, LIBRARY_REDUCTION_SIZE - x.size, 0)])
-    return jnp.sum(fn(flat)).reshape(shape)
+    return jnp.sum(flat).reshape(shape)
   rows = math.prod([x.shape[a] for a in kept])
   order = kept + list(axes)
   flat = (x if order == sorted(order) else jnp.transpose(x, order)).reshape(rows, -1)
   width = -(-LIBRARY_REDUCTION_SIZE // rows)
   flat = jax.lax.pad(flat, zero, [(0, 0, 0), (0, width - flat.shape[1], 0)])
-  return jnp.sum(fn(flat), axis=1).reshape(shape)
+  return jnp.sum(flat, axis=1).reshape(shape)
 
 
-def _identity(x: jax.Array) -> jax.Array:
-  return x
+def _plain_sum(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  return jnp.sum(x, axes, keepdims=True)
 
 
-def sum_of(x: jax.Array, axes: tuple[int, ...], *, square: bool = False) -> jax.Array:
-  """``jnp.sum(x, axes, keepdims=True)``, or of ``|x|**2`` with ``square``.
+def sum_of(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """``jnp.sum(x, axes, keepdims=True)``.
 
   On the CPU, a small ``x`` (fewer than :data:`LIBRARY_REDUCTION_SIZE` elements) is
   padded with zeros to that size first, so that XLA's CPU backend compiles the reduction
   as a library kernel rather than as LLVM loop kernels: a small leaf's two reductions
   (its parameter scale and its clipping) and a factored leaf's row normaliser cost the
-  compiler about a tenth as much. The zeros add nothing to the sum (nor do their squares).
-  The square runs on the padded array, so that the padding fuses into the reduction with
-  it. An array not known
-  to be whole on every device (:func:`placement.is_replicated`) is reduced as it is: its
-  reshape would be a reshard. Other compilers have no library reductions to reach: they
-  reduce ``x`` as it is.
+  compiler about a tenth as much. The zeros add nothing to the sum, and the padding fuses
+  into the reduction with whatever computed ``x``. An array not known to be whole on every
+  device (:func:`placement.is_replicated`) is reduced as it is: its reshape would be a
+  reshard. Other compilers have no library reductions to reach: they reduce ``x`` as it
+  is.
 
   Pinned by ``tests/test_compile.py::test_small_reductions_are_library_kernels``.
 
-  >>> sum_of(jnp.arange(6.0).reshape(2, 3), (1,), square=True).tolist()
-  [[5.0], [50.0]]
+  >>> sum_of(jnp.arange(6.0).reshape(2, 3), (1,)).tolist()
+  [[3.0], [12.0]]
   """
-  fn = numerics.abs_sq if square else _identity
-  if not axes:
-    return fn(x)
-
-  def plain(x):
-    return [jnp.sum(fn(x), axes, keepdims=True)]
-
-  if (not isinstance(x, jax.core.Tracer) or x.size == 0 or x.size >= LIBRARY_REDUCTION_SIZE
-      or not placement.is_replicated(x)):
-    return plain(x)[0]
+  if (not axes or not isinstance(x, jax.core.Tracer) or x.size == 0
+      or x.size >= LIBRARY_REDUCTION_SIZE or not placement.is_replicated(x)):
+    return jnp.sum(x, axes, keepdims=True) if axes else x
   shape = tuple([1 if a in axes else size for a, size in enumerate(x.shape)])
-  out = jax.typeof(x).update(shape=shape, dtype=numerics.real_dtype(x.dtype), weak_type=False)
-  (total,) = _per_compiler(MEASURED_ON_CPU, lambda x: [_padded_sum(x, axes, square)], plain, [x],
-                          [out])
+  out = jax.typeof(x).update(shape=shape, weak_type=False)
+  (total,) = _per_compiler(MEASURED_ON_CPU, lambda x: [_padded_sum(x, axes)],
+                           lambda x: [_plain_sum(x, axes)], [x], [out])
   return total
