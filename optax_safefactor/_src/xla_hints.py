@@ -1,10 +1,11 @@
 """Compiler hints: how the Adafactor step is kept fast, named so the maths need not say it.
 
 Each helper changes how XLA fuses or schedules the step, never what it computes, and
-each names the compilers on which it was measured to pay (:data:`MEASURED_ON_CPU`): it is
-applied only there. Elsewhere the helper is the plain computation it stands for, so that
-on XLA:TPU and XLA:GPU the step is the algorithm as written (docs/benchmarks.md,
-"Accelerator compilers": the CPU's hints cost the TPU program 10-14% of its memory traffic).
+each names the compilers on which it was measured to pay (:data:`MEASURED_ON_CPU`,
+:data:`MEASURED_ON_CPU_AND_GPU`): it is applied only there. Elsewhere the helper is the
+plain computation it stands for, so that on XLA:TPU the step is the algorithm as written,
+and on XLA:GPU it keeps one barrier (docs/benchmarks.md, "Accelerator compilers": the CPU's
+hints cost the TPU program 13-18% more memory traffic).
 
 The choice is made when the program is lowered for a platform, not when it is traced: a
 step traced on a CPU host and compiled for a TPU (ahead of time, or by
