@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optax_safefactor.benchmarks import accumulate, bench, common, rounding, trees
+from optax_safefactor.benchmarks import accumulate, bench, common, rounding, targets, trees
 from optax_safefactor.benchmarks.bench import minimum_traffic_bytes
 
 # The help's small run: 7 leaves compile fast, and at this scale the layers are factored
@@ -27,6 +27,22 @@ def _bench(*args, cwd):
   return subprocess.run(
       [sys.executable, "-m", "optax_safefactor", "bench", *args], cwd=cwd,
       env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+
+
+def test_an_accelerator_target_without_its_compiler_is_one_clear_line(tmp_path):
+  if targets.missing_compiler(targets.TARGETS["tpu-v5e"]) is None:
+    pytest.skip("libtpu is installed: tests/test_accelerators.py compiles for it")
+  result = _bench("--target", "tpu-v5e", cwd=tmp_path)
+  assert result.returncode == 2 and result.stdout == ""
+  assert result.stderr.strip().splitlines() == [
+      "python -m optax_safefactor bench: error: cannot compile for tpu-v5e: libtpu is not "
+      "installed: pip install 'optax-safefactor[accel]'"]
+
+
+def test_configs_belong_to_an_accelerator_target(tmp_path):
+  result = _bench("--configs", "default", cwd=tmp_path)
+  assert result.returncode == 2
+  assert "--configs is for an accelerator --target" in result.stderr
 
 
 def test_bench_runs_and_writes_json(tmp_path):

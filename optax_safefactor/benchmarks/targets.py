@@ -110,16 +110,23 @@ class MissingCompilerError(RuntimeError):
   """The compiler of a target is not installed, or cannot start in this process."""
 
 
-def missing_compiler(target: Target) -> str | None:
-  """Why ``target`` cannot be compiled for here, or ``None`` when it can."""
+def _installed(module: str) -> bool:
   import importlib.util
 
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package is not there either
+    return False
+
+
+def missing_compiler(target: Target) -> str | None:
+  """Why ``target`` cannot be compiled for here, or ``None`` when it can."""
   import jax
 
-  if target.platform == "tpu" and importlib.util.find_spec("libtpu") is None:
+  if target.platform == "tpu" and not _installed("libtpu"):
     return "libtpu is not installed: pip install 'optax-safefactor[accel]'"
   if target.platform == "cuda":
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not _installed("jax_plugins.xla_cuda12"):
       return "the CUDA plugin is not installed: pip install 'optax-safefactor[accel]'"
     if jax.config.jax_platforms != "cpu":
       return ("compiling for a GPU without one needs JAX on the CPU platform: set "
