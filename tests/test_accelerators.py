@@ -28,13 +28,7 @@ MEASURED_RELEASE = jax.__version_info__ == (0, 10, 2)
 
 @pytest.fixture(params=ACCELERATORS)
 def target(request):
-  target = targets.TARGETS[request.param]
-  problem = targets.missing_compiler(target)
-  if problem is not None:
-    if REQUIRED:
-      pytest.fail(f"{target.name}: {problem}")
-    pytest.skip(f"{target.name}: {problem}")
-  return target
+  return _required(request.param)
 
 
 def _passes(target, tx, shapes):
