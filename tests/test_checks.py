@@ -210,3 +210,108 @@ def test_a_weight_decay_mask_that_does_not_fit_fails_at_init():
   tx = osf.safefactor(0.1, weight_decay_rate=1e-3, weight_decay_mask={"other": True})
   with pytest.raises(ValueError, match="weight_decay_mask"):
     tx.init(params)
+
+
+def _bf16_params():
+  return {"w": jnp.ones((130, 130), jnp.bfloat16), "b": jnp.ones((130,), jnp.float32)}
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_state_without_compensation_is_refused_by_kahan(jitted):
+  # 0.2 failed inside the write-back: "'NoneType' object has no attribute 'astype'".
+  params = _bf16_params()
+  state = osf.safefactor(0.1).init(params)
+  update = osf.safefactor(0.1, param_rounding="kahan").update
+  update = jax.jit(update) if jitted else update
+  with pytest.raises(ValueError, match=r"param_rounding='kahan', but the optimizer state "
+                                       r"holds no compensation"):
+    update(params, state, params)
+
+
+def test_the_fix_a_missing_compensation_error_names_works():
+  # The message's fix keeps the statistics and starts the compensation at zero, as init does.
+  params = _bf16_params()
+  tx = osf.safefactor(0.1)
+  _, state = tx.update(params, tx.init(params), params)
+  kahan = osf.safefactor(0.1, param_rounding="kahan")
+  with pytest.raises(ValueError) as raised:
+    kahan.update(params, state, params)
+  fix = str(raised.value).split("state = ", 1)[1].split(" on the AdafactorState")[0]
+  inner = eval(fix, {"jax": jax, "jnp": jnp, "state": state.inner_state, "params": params})
+  state = state._replace(inner_state=inner)
+  fresh = kahan.init(params).inner_state.compensation
+  assert jax.tree.structure(inner.compensation) == jax.tree.structure(fresh)
+  _, stepped = kahan.update(params, state, params)
+  assert int(stepped.inner_state.count) == 2
+
+
+def test_a_kahan_state_is_refused_by_an_optimizer_without_kahan():
+  # 0.2 carried the compensation along unused.
+  params = _bf16_params()
+  state = osf.safefactor(0.1, param_rounding="kahan").init(params)
+  for rounding in ("nearest", "stochastic"):
+    with pytest.raises(ValueError, match=rf"holds a Kahan compensation \(it was made with "
+                                         rf"param_rounding='kahan'\), but this optimizer has "
+                                         rf"param_rounding='{rounding}'"):
+      osf.safefactor(0.1, param_rounding=rounding).update(params, state, params)
+
+
+def test_a_kahan_state_made_for_wider_params_names_the_param():
+  wide = {"w": jnp.ones((130, 130)), "b": jnp.ones((130,))}
+  narrow = {"w": jnp.ones((130, 130), jnp.bfloat16), "b": jnp.ones((130,))}
+  tx = osf.safefactor(0.1, param_rounding="kahan")
+  with pytest.raises(ValueError, match=r"params\['w'\]: the optimizer state holds no Kahan "
+                                       r"compensation for this bfloat16 param"):
+    tx.update(narrow, tx.init(wide), narrow)
+  with pytest.raises(ValueError, match=r"params\['w'\]: the optimizer state holds a Kahan "
+                                       r"compensation for this float32 param"):
+    tx.update(wide, tx.init(narrow), wide)
+
+
+@pytest.mark.parametrize("made,used", [("nearest", "kahan"), ("kahan", "nearest")])
+def test_with_param_rounding_refuses_a_state_of_another_mode(made, used):
+  params = _bf16_params()
+  state = osf.with_param_rounding(optax.sgd(0.1), made).init(params)
+  with pytest.raises(ValueError, match=r"mode='kahan'.*on the with_param_rounding state"):
+    osf.with_param_rounding(optax.sgd(0.1), used).update(params, state, params)
+
+
+@pytest.mark.parametrize("kwargs,condition", [
+    ({}, r"this optimizer has multiply_by_parameter_scale=True \(the update is scaled by each "
+         r"param's RMS\)$"),
+    (dict(multiply_by_parameter_scale=False, weight_decay_rate=1e-3),
+     r"this optimizer has weight_decay_rate is set \(the decay is a fraction of each param\)$"),
+    (dict(multiply_by_parameter_scale=False, param_rounding="stochastic"),
+     r"this optimizer has param_rounding='stochastic' \(the update is rounded onto each "
+     r"param\)$"),
+])
+def test_the_missing_params_error_names_the_setting_that_reads_them(kwargs, condition):
+  params = _params()
+  tx = osf.safefactor(0.1, **kwargs)
+  with pytest.raises(ValueError, match=r"needs params in update\(grads, state, params\): "
+                                       + condition):
+    tx.update(params, tx.init(params))
+
+
+@pytest.mark.parametrize("made,used,message", [
+    (dict(skip_nonfinite_steps=False), {},
+     r"expected a SkipNonfiniteState from this optimizer's init, got an AdafactorState; "
+     r"safefactor\(\.\.\., skip_nonfinite_steps=False\)"),
+    ({}, dict(skip_nonfinite_steps=False),
+     r"expected an AdafactorState from this optimizer's init, got a SkipNonfiniteState; .*"
+     r"skip_nonfinite_steps=True, the default"),
+])
+def test_a_state_of_another_configuration_says_so(made, used, message):
+  params = _params()
+  state = osf.safefactor(0.1, **made).init(params)
+  with pytest.raises(TypeError, match=message + r".*another configuration"):
+    osf.safefactor(0.1, **used).update(params, state, params)
+
+
+def test_an_accumulation_state_given_to_the_optimizer_it_wraps_says_so():
+  params = _params()
+  state = osf.accumulate_gradients(osf.safefactor(0.1), 2).init(params)
+  with pytest.raises(TypeError, match=r"got an AccumulationState; accumulate_gradients\(\.\.\.\) "
+                                      r"makes an AccumulationState \(pass it to that "
+                                      r"transformation's update"):
+    osf.safefactor(0.1).update(params, state, params)

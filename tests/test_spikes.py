@@ -5,6 +5,8 @@ in float64 over the recorded statistics; the tests compare the exact positions o
 skipped steps, the counters and the runs' bits.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -423,3 +425,31 @@ def test_a_sharded_run_skips_the_same_steps_as_one_device(axis_type):
   assert int(osf.skipped_spikes(sharded)) == 2
   np.testing.assert_allclose(np.asarray(sharded.spikes.gradient_norms),
                              np.asarray(one_device.spikes.gradient_norms), rtol=1e-6)
+
+
+@pytest.mark.parametrize("subject", sorted(SUBJECTS))
+@pytest.mark.parametrize("keyword", ["loss", "train_loss"])
+def test_a_loss_under_another_keyword_warns_naming_value(subject, keyword):
+  # 0.2 accepted update(..., loss=loss) silently: the user believed loss spikes were judged.
+  params = {"w": jnp.ones((4, 3))}
+  tx = SUBJECTS[subject](skip_spikes=6.0)
+  with pytest.warns(UserWarning, match=rf"got {keyword}= but no value=: .*judges the loss "
+                                       r"given as value= only"):
+    tx.update(params, tx.init(params), params, **{keyword: jnp.float32(1.0)})
+
+
+@pytest.mark.parametrize("subject", sorted(SUBJECTS))
+def test_value_is_silent_with_spikes_on_or_off(subject):
+  # optax.chain hands value= to every member and reduce_on_plateau needs it: it stays legal.
+  params = {"w": jnp.ones((4, 3))}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for skip_spikes in (None, 6.0):
+      tx = SUBJECTS[subject](skip_spikes=skip_spikes)
+      tx.update(params, tx.init(params), params, value=jnp.float32(1.0), loss=1.0)
+    tx = SUBJECTS[subject](skip_spikes=None)
+    tx.update(params, tx.init(params), params, loss=jnp.float32(1.0))
+    chain = optax.chain(SUBJECTS[subject](skip_spikes=6.0),
+                        optax.contrib.reduce_on_plateau(patience=2))
+    with jax.numpy_dtype_promotion("standard"):  # reduce_on_plateau mixes int32 and float32
+      chain.update(params, chain.init(params), params, value=jnp.float32(1.0))

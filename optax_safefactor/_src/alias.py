@@ -86,7 +86,9 @@ def safefactor(
     clipping_threshold: clip each leaf's update to this RMS; ``None`` for no clipping.
     momentum: decay of an (undebiased) first moment; ``None`` for no momentum.
     dtype_momentum: dtype name of the first moment; ``None`` for the params' dtype
-      (as in optax). A complex param's momentum is complex of that precision:
+      (as in optax); ``"at_least_float32"`` for the params' dtype widened to float32
+      (float32 for bfloat16 and float16 params, float64 for float64 ones, as PyTorch's
+      Adafactors keep it). A complex param's momentum is complex of that precision:
       ``"float32"`` and ``"complex64"`` both give complex64 there and float32 for a
       real param.
     weight_decay_rate: decoupled weight decay (a scalar or a schedule), or ``None``.
@@ -123,12 +125,19 @@ def safefactor(
     rounding_seed: an int keying ``"stochastic"``'s random bits, together with the
       step, the param's path and each element's index (so the bits are the same on
       any sharding or number of hosts).
-    skip_spikes: also skip, and count, finite spikes: a step whose global gradient norm
-      (or loss, when ``update`` is given ``value=loss``) is above :math:`\bar x +
-      k \max(s, 0.02 |\bar x|)`, with :math:`k` = ``skip_spikes`` (6.0 is the usual
-      choice) and :math:`\bar x`, :math:`s` the mean and sample standard deviation of
-      that statistic over the last ``spike_window`` applied steps, once at least
-      ``spike_window // 2`` of them are there. ``None`` (the default) skips no spike. A
+    skip_spikes: also skip, and count, finite spikes. Two statistics are judged, each
+      against its own history: the global gradient norm, always, and the loss, on the
+      steps whose ``update`` is given ``value=loss``. A step is a spike when either is
+      above :math:`\bar x + k \max(s, 0.02 |\bar x|)`, with :math:`k` =
+      ``skip_spikes`` (6.0 is the usual choice) and :math:`\bar x`, :math:`s` the mean
+      and sample standard deviation of that statistic over the last ``spike_window``
+      applied steps (for the loss, those given one), once at least ``spike_window // 2``
+      of them are there. The reports name the statistic that spiked (the gradient norm
+      when both did), its value and limit, and the param whose gradient norm was
+      largest. ``None`` (the default) skips no spike, and ``value=`` is then accepted
+      and ignored (``optax.chain`` hands it to every member, and
+      ``optax.contrib.reduce_on_plateau`` needs it); with spikes on, a loss passed under
+      another keyword (``loss=``) warns that it is ignored. A
       spike is skipped as a non-finite step is (zero updates, state untouched) and stays
       out of the history; after ``spike_window // 2`` spike skips in a row the next spike
       is taken and the history restarts from it, so a lasting change of scale costs at

@@ -97,6 +97,10 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
     hint = ("; a checkpoint restored without a target gives plain lists and dicts: "
             "restore with the state of optimizer.init(params) (or "
             "jax.eval_shape(optimizer.init, params)) as the target")
+  elif kind in _MADE_BY and wrapper is None:
+    hint = (f"; {_MADE_BY[kind]}: the state was made by an optimizer of another "
+            "configuration. Make the state with this optimizer's init, or build this "
+            "optimizer with the settings of the one whose init made it")
   elif wrapper is not None:
     # Checked before the optax.adafactor hint: the inner transformation's state may
     # well hold one, and migrate_from_optax does not make a wrapper's state.
@@ -105,8 +109,26 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
   elif _holds_optax_factored_state(state):
     hint = ("; it looks like an optax.adafactor state: convert it with "
             "osf.migrate_from_optax(optax_state, optimizer, params)")
-  raise TypeError(f"update expected a {expected.__name__} from this optimizer's init, "
-                  f"got a {kind}{hint}")
+  raise TypeError(f"update expected {_a(expected.__name__)} from this optimizer's init, "
+                  f"got {_a(kind)}{hint}")
+
+
+# This package's states, by type name, with what makes each: the likely cause when one
+# reaches an optimizer of another configuration.
+_MADE_BY = {
+    "AdafactorState": "safefactor(..., skip_nonfinite_steps=False) and "
+                      "scale_by_safe_factored_rms make an AdafactorState",
+    "SkipNonfiniteState": "safefactor makes a SkipNonfiniteState with its guard on "
+                          "(skip_nonfinite_steps=True, the default), as skip_nonfinite(...) does",
+    "AccumulationState": "accumulate_gradients(...) makes an AccumulationState (pass it to "
+                         "that transformation's update, not to the optimizer it wraps)",
+    "ParamRoundingState": "with_param_rounding(...) makes a ParamRoundingState",
+}
+
+
+def _a(noun: str) -> str:
+  """``noun`` with its indefinite article: an AdafactorState, a SkipNonfiniteState."""
+  return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _shaped_like(state: Any, grads: Any) -> bool:
@@ -184,6 +206,74 @@ def check_has_momentum(state_momentum: Any, momentum: Any) -> None:
       "(it was made with momentum=None): make the state with this optimizer's init, or "
       "build the optimizer with momentum=None"
   )
+
+
+# Where safefactor's compensation is, for the messages of check_has_compensation.
+_ADAFACTOR_STATE = "the AdafactorState (opt_state.inner_state with the guard on)"
+
+
+def check_has_compensation(state_compensation: Any, param_rounding: str,
+                           holder: str = _ADAFACTOR_STATE, setting: str = "param_rounding"
+                           ) -> None:
+  """The state holds a Kahan compensation exactly when the optimizer keeps one: ``ValueError``.
+
+  A state made with another ``param_rounding`` would otherwise fail inside the
+  write-back (no compensation to add) or have its compensation carried along unused.
+  ``holder`` says which state the fix replaces the compensation of, ``setting`` names
+  the argument that picks the rounding.
+  """
+  keeps = param_rounding == "kahan"
+  if (state_compensation is not None) == keeps:
+    return
+  if keeps:
+    raise ValueError(
+        f"this optimizer has {setting}='kahan', but the optimizer state holds no "
+        f"compensation (it was made with {setting}='nearest' or 'stochastic'): make the "
+        "state with this optimizer's init, or keep its statistics and start the compensation "
+        "at zero, as init does: state = state._replace(compensation=jax.tree.map(lambda p: "
+        f"jnp.zeros_like(p) if p.dtype in (jnp.bfloat16, jnp.float16) else None, params)) "
+        f"on {holder}"
+    )
+  raise ValueError(
+      f"the optimizer state holds a Kahan compensation (it was made with "
+      f"{setting}='kahan'), but this optimizer has {setting}={param_rounding!r} "
+      f"and would carry it unused: build the optimizer with {setting}='kahan', or "
+      "drop the compensation (what rounding has lost so far, under half a unit in the last "
+      f"place per param, is then lost): state = state._replace(compensation=None) on {holder}"
+  )
+
+
+def check_leaf_compensation(path: KeyPath, grad: Any, compensation: Any) -> None:
+  """Under Kahan, a bfloat16 or float16 param has a compensation of its shape and dtype,
+  and a wider one has none (``None``): ``ValueError`` or ``TypeError`` naming the path."""
+  narrow = np.dtype(grad.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+  if compensation is None:
+    if narrow:
+      raise ValueError(
+          f"{path_name(path)}: the optimizer state holds no Kahan compensation for this "
+          f"{np.dtype(grad.dtype).name} param (the state was made for a wider param): make "
+          "the state with this optimizer's init for these params"
+      )
+    return
+  if not narrow:
+    raise ValueError(
+        f"{path_name(path)}: the optimizer state holds a Kahan compensation for this "
+        f"{np.dtype(grad.dtype).name} param, which is never rounded (the state was made for a "
+        "bfloat16 or float16 param): make the state with this optimizer's init for these "
+        "params"
+    )
+  if tuple(compensation.shape) != tuple(grad.shape):
+    raise ValueError(
+        f"{path_name(path)}: Kahan compensation shape {tuple(compensation.shape)} != param "
+        f"shape {tuple(grad.shape)}; was the state made for other parameters?"
+    )
+  if np.dtype(compensation.dtype) != np.dtype(grad.dtype):
+    raise TypeError(
+        f"{path_name(path)}: the Kahan compensation in the optimizer state is "
+        f"{np.dtype(compensation.dtype).name}, but it is kept in the param's dtype, "
+        f"{np.dtype(grad.dtype).name}: make the state with this optimizer's init for these "
+        "params, and do not cast the optimizer state"
+    )
 
 
 def _holds_optax_factored_state(state: Any) -> bool:

@@ -216,13 +216,14 @@ def skip_nonfinite(
       ``chex.chexify``; compiled without either, the step raises
       :class:`CheckedWithoutCheckifyError`, which says so. Meant for debugging, since
       checking synchronises with the host.
-    skip_spikes: also skip, and count, a finite step whose global gradient norm (or
-      loss, when ``update`` is given ``value=loss``) is more than this many standard
-      deviations above the mean of the last ``spike_window`` applied steps (6.0 is the
-      usual choice; ``None``, the default, skips no spike). The rule, its floor on the
-      standard deviation and its bound on spike skips in a row are in
-      :func:`safefactor`'s docstring. The gradient norm is one reduction over the
-      incoming gradients; :func:`skipped_spikes` counts the spikes.
+    skip_spikes: also skip, and count, a finite step whose global gradient norm, or
+      whose loss on a step whose ``update`` is given ``value=loss`` (both are judged,
+      each against its own history), is more than this many standard deviations above
+      the mean of the last ``spike_window`` applied steps (6.0 is the usual choice;
+      ``None``, the default, skips no spike, and ignores ``value=``). The rule, its
+      floor on the standard deviation, its bound on spike skips in a row and what the
+      reports name are in :func:`safefactor`'s docstring. The gradient norm is one
+      reduction over the incoming gradients; :func:`skipped_spikes` counts the spikes.
     spike_window: the steps of history the spike rule keeps (an int of at least 2);
       it decides once half of them are there. It sets the state's shape: under
       ``optax.inject_hyperparams``, pass it in ``static_args``.
@@ -257,7 +258,7 @@ def skip_nonfinite(
     checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
     checks.check_update_inputs(updates, params, any_dtype=True)
     check_spike_state(state, skip_spikes, spike_window)
-    loss = spikes.check_value(extra_args.get("value")) if skip_spikes is not None else None
+    loss = spikes.loss_given(extra_args) if skip_spikes is not None else None
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     leaf_finite = _leaf_finite_from_outputs(new_updates, new_inner)
     step_finite = xla_hints.computed_once([leaf_finite])

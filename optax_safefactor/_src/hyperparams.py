@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, spikes, write_back
+from optax_safefactor._src import checks, numerics, spikes, write_back
 from optax_safefactor._src.bit_streams import check_seed
 from optax_safefactor._src.plan import FactorRulesFn
 
@@ -60,11 +60,21 @@ class Hyperparams(NamedTuple):
   @property
   def needs_params(self) -> bool:
     """Whether ``update`` reads the params."""
-    return (
-        bool(self.multiply_by_parameter_scale)
-        or self.weight_decay_rate is not None
-        or write_back.rounds_onto_params(self.param_rounding)
-    )
+    return bool(self.params_read_by)
+
+  @property
+  def params_read_by(self) -> list[str]:
+    """The settings for which ``update`` reads the params, each with what it reads them for."""
+    reasons = []
+    if self.multiply_by_parameter_scale:
+      reasons.append("multiply_by_parameter_scale=True (the update is scaled by each "
+                     "param's RMS)")
+    if self.weight_decay_rate is not None:
+      reasons.append("weight_decay_rate is set (the decay is a fraction of each param)")
+    if write_back.rounds_onto_params(self.param_rounding):
+      reasons.append(f"param_rounding={self.param_rounding!r} (the update is rounded onto "
+                     "each param)")
+    return reasons
 
   @classmethod
   def of(cls, arguments: dict[str, Any], renamed: dict[str, str] | None = None,
@@ -171,7 +181,9 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
       raise ValueError(f"{name} must be {requirement}, got {value!r}")
   for name in ("factor_rules", "decay_rate_fn"):
     _check_callable(name, getattr(hyperparams, name))
-  _check_float_dtype("dtype_momentum", hyperparams.dtype_momentum, complex_ok=True)
+  if not (isinstance(hyperparams.dtype_momentum, str)
+          and hyperparams.dtype_momentum == numerics.AT_LEAST_FLOAT32):
+    _check_float_dtype("dtype_momentum", hyperparams.dtype_momentum, complex_ok=True)
   _check_float_dtype("state_dtype", hyperparams.state_dtype)
   check_seed("rounding_seed", hyperparams.rounding_seed)
   write_back.check_rounding_mode(hyperparams.param_rounding)

@@ -50,8 +50,14 @@ def resolve_state_dtype(state_dtype: DTypeLike | None, param_dtype: DTypeLike) -
   return resolved
 
 
+# dtype_momentum's name for the param's dtype widened to float32 (float64 stays float64):
+# the rule by which PyTorch's Adafactors keep their first moment.
+AT_LEAST_FLOAT32 = "at_least_float32"
+
+
 def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
-  """The first moment's dtype: ``dtype_momentum`` by name, or the param's for ``None``.
+  """The first moment's dtype: ``dtype_momentum`` by name, the param's for ``None``, or
+  the param's widened to float32 for ``"at_least_float32"`` (:func:`compute_dtype`).
 
   A name gives a precision, real or complex as the param is (a complex param's
   momentum is complex): ``"float32"`` and ``"complex64"`` both mean complex64 for a
@@ -61,9 +67,14 @@ def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
   (dtype(bfloat16), dtype('float32'))
   >>> momentum_dtype("complex64", jnp.complex64), momentum_dtype("complex64", jnp.float32)
   (dtype('complex64'), dtype('float32'))
+  >>> momentum_dtype("at_least_float32", jnp.bfloat16), momentum_dtype("at_least_float32",
+  ...                                                                  jnp.float64)
+  (dtype('float32'), dtype('float64'))
   """
   if dtype_momentum is None:
     return np.dtype(param_dtype)
+  if isinstance(dtype_momentum, str) and dtype_momentum == AT_LEAST_FLOAT32:
+    return compute_dtype(param_dtype)
   if isinstance(dtype_momentum, (jax.Array, np.ndarray, jax.core.Tracer)):
     # optax.inject_hyperparams calls every callable argument as a schedule, and a dtype
     # class such as jnp.bfloat16 is callable: it arrives as a scalar of that dtype.

@@ -58,11 +58,16 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   if not after:
     tx = safefactor(**arguments)
     return optax.with_extra_args_support(optax.chain(*before, tx)) if before else tx
-  if write_back.rounds_onto_params(arguments.get("param_rounding", _DEFAULT_ROUNDING)):
+  rounding = arguments.get("param_rounding", _DEFAULT_ROUNDING)
+  if write_back.rounds_onto_params(rounding):
+    seed = arguments.get("rounding_seed")
+    seed = "" if seed is None else f", seed={seed!r}"
     raise ValueError(
-        f"presets.{preset}(): param_rounding={arguments['param_rounding']!r} rounds "
-        "safefactor's update onto the params, so it must be the final update; this preset "
-        "scales it afterwards, as the original does (keep param_rounding='nearest')")
+        f"presets.{preset}(): param_rounding={rounding!r} rounds safefactor's update onto "
+        "the params, so it must be the final update, and this preset scales it afterwards, "
+        "as the original does. Round the preset's final update instead: "
+        f"osf.with_param_rounding(osf.presets.{preset}(...), {rounding!r}{seed}), with this "
+        "preset's param_rounding left at 'nearest'")
   guard = {name: arguments.pop(name) for name in _GUARD_ARGUMENTS if name in arguments}
   inner = optax.chain(*before, safefactor(**arguments, skip_nonfinite_steps=False), *after)
   if not guard.pop("skip_nonfinite_steps", True):

@@ -83,8 +83,8 @@ def transformers(
   - ``scale_parameter=True``: times :math:`\max(\text{eps[1]}, \mathrm{rms}(p))`
     (``multiply_by_parameter_scale`` with ``min_parameter_scale=eps[1]``);
 
-  then ``beta1`` momentum (kept in float32, or in the params' dtype under
-  ``dtype_momentum=None``), and weight decay as HF applies it,
+  then ``beta1`` momentum (kept as HF keeps ``exp_avg``: in the params' dtype, at least
+  float32), and weight decay as HF applies it,
   ``p -= weight_decay * lr_t * p`` with the scaled ``lr_t`` above, before the update.
 
   Measured against transformers 5.24.0 on torch 2.13.0 (``tests/test_presets.py``), 30
@@ -169,7 +169,7 @@ def transformers(
       learning_rate=learning_rate, decay_rate=-decay_rate, eps=eps1,
       min_parameter_scale=eps2, multiply_by_parameter_scale=scale_parameter,
       clipping_threshold=clip_threshold, momentum=beta1, factor_rules=_last_two_axes,
-      dtype_momentum="float32")
+      dtype_momentum="at_least_float32")
   after = []
   if weight_decay != 0:
     if scale_parameter:

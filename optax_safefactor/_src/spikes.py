@@ -21,6 +21,7 @@ reaches the same one. :func:`judge` decides; :func:`record` writes the new histo
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -146,6 +147,24 @@ def check_history(history: Any) -> None:
       raise TypeError(
           f"SpikeHistory.{field}: the spike history must stay float32, got {dtype.name}; "
           "cast only the params' statistics of a state, not the guard's")
+
+
+def loss_given(extra_args: dict[str, Any]) -> jax.Array | None:
+  """The loss the spike rule judges: ``update``'s ``value=``, checked (:func:`check_value`).
+
+  ``update`` takes any keyword (``optax.chain`` hands every member the same ones), so a
+  loss passed under another name would be ignored and its spikes never judged: warn,
+  naming ``value=``.
+  """
+  if "value" not in extra_args:
+    misnamed = [name for name in extra_args if "loss" in name.lower()]
+    if misnamed:
+      warnings.warn(
+          f"update() got {', '.join(f'{name}=' for name in misnamed)} but no value=: the "
+          "spike rule judges the loss given as value= only (update(grads, state, params, "
+          "value=loss)), so this loss is ignored and only the gradient norm is judged",
+          UserWarning, stacklevel=3)
+  return check_value(extra_args.get("value"))
 
 
 def check_value(value: Any) -> jax.Array | None:

@@ -105,11 +105,11 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     inner = state.inner_state if guarded else state
     checks.check_counters(inner, ("count",))
     checks.check_has_momentum(inner.momentum, hp.momentum)
+    checks.check_has_compensation(inner.compensation, hp.param_rounding)
     if params is None and hp.needs_params:
       raise ValueError(
-          "safefactor needs params in update(grads, state, params) when "
-          "multiply_by_parameter_scale is on, weight_decay_rate is set or "
-          "param_rounding is not 'nearest'"
+          "safefactor needs params in update(grads, state, params): this optimizer has "
+          f"{' and '.join(hp.params_read_by)}"
       )
     checks.check_update_against_state(updates, params, inner.second_moment,
                                       kernel.MOMENT_TYPES)
@@ -152,6 +152,9 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
     leaves = jax.tree_util.tree_map_with_path(leaf_of, updates, inner.second_moment, masks,
                                               momentum_tree)
+    if keeps_compensation:
+      jax.tree_util.tree_map_with_path(checks.check_leaf_compensation, updates,
+                                       inner.compensation)
     step = schedules.step_values(hp, inner.count, real_dtypes)
     params_tree = none_tree if params is None else params
     # Every tree below is read up to the structure of ``updates``: a per-leaf value
@@ -194,7 +197,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                            terms if not unit.packed else spikes.SquareSource("sum", value)
                            for value in packing.rows(unit, terms.values)])
       spike = spikes.judge(state.spikes, spikes.sums_by_leaf(terms, hp.eps),
-                           spikes.check_value(extra_args.get("value")), hp.skip_spikes,
+                           spikes.loss_given(extra_args), hp.skip_spikes,
                            step_finite)
       applied = xla_hints.computed_once([step_finite, ~spike.skip])
 
