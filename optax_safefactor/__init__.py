@@ -10,6 +10,7 @@ from optax_safefactor._src.checked_mode import (
 )
 from optax_safefactor._src.counter_layout import migrate_from_0_2 as migrate_from_0_2
 from optax_safefactor._src.counter_layout import state_in_0_2_layout as state_in_0_2_layout
+from optax_safefactor._src.counters import HyperparamCounts as HyperparamCounts
 from optax_safefactor._src.counters import LeafCounts as LeafCounts
 from optax_safefactor._src.counters import SkipNonfiniteState as SkipNonfiniteState
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
@@ -29,7 +30,7 @@ from optax_safefactor._src.reports import skipped_steps as skipped_steps
 from optax_safefactor._src.spikes import SpikeHistory as SpikeHistory
 from optax_safefactor._src.transform import AdafactorState as AdafactorState
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = (
     "DEFAULT_LOGICAL_RULES",
@@ -38,6 +39,7 @@ __all__ = (
     "CheckedWithoutCheckifyError",
     "FactoredMoment",
     "FullMoment",
+    "HyperparamCounts",
     "LeafCounts",
     "NonFiniteStepsError",
     "SkipNonfiniteState",

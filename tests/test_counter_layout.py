@@ -113,4 +113,43 @@ def test_the_compiled_step_has_one_output_per_counter_not_per_leaf():
   state = tx.init(params)
   out_shapes = jax.eval_shape(tx.update, params, state, params)[1]
   assert out_shapes.nonfinite_steps.counts.shape == (100,)
-  assert len(jax.tree.leaves(out_shapes)) - len(jax.tree.leaves(out_shapes.inner_state)) == 5
+  # skipped, consecutive, step, the two leaf vectors, the two hyperparameter vectors.
+  assert len(jax.tree.leaves(out_shapes)) - len(jax.tree.leaves(out_shapes.inner_state)) == 7
+
+
+@pytest.mark.parametrize("make,names", [
+    (lambda: osf.safefactor(0.1), ("learning_rate", "weight_decay_rate", "decay_rate",
+                                   "momentum", "clipping_threshold", "eps",
+                                   "min_parameter_scale", "max_parameter_scale")),
+    (lambda: osf.skip_nonfinite(optax.inject_hyperparams(optax.adam)(learning_rate=0.1)),
+     ("b1", "b2", "eps", "eps_root", "learning_rate")),
+    (lambda: osf.skip_nonfinite(optax.sgd(0.1)), ()),
+])
+def test_migrating_fills_the_hyperparameter_counts_0_2_did_not_have(make, names):
+  tx = make()
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes int32 and float32
+    fresh = tx.init(PARAMS)
+  assert fresh.nonfinite_hyperparams.names == names
+  old = osf.state_in_0_2_layout(fresh)
+  assert old.nonfinite_hyperparams is None
+  migrated = osf.migrate_from_0_2(old)
+  assert_trees_bitwise_equal(migrated, fresh)
+  assert migrated.nonfinite_hyperparams.names == names
+  with (pytest.raises(TypeError, match=r"nonfinite_hyperparams must be a HyperparamCounts, got "
+                                       r"NoneType.*migrate_from_0_2"),
+        jax.numpy_dtype_promotion("standard")):
+    tx.update(_grads(0), fresh._replace(nonfinite_hyperparams=None), PARAMS)
+
+
+def test_a_migrated_state_counts_a_nonfinite_learning_rate():
+  def learning_rate(count):
+    return jnp.where(count == 2, jnp.nan, 0.1)
+
+  tx = osf.safefactor(learning_rate)
+  params, state, _ = run_steps(tx, PARAMS, lambda step: _grads(0), 2)
+  migrated = osf.migrate_from_0_2(jax.device_get(osf.state_in_0_2_layout(state)))
+  _, resumed, _ = run_steps(tx, params, lambda step: _grads(0), 2, state=migrated)
+  report = osf.nonfinite_report(resumed)
+  # The schedule reads the applied steps: stuck at count 2, both resumed steps are skipped.
+  assert report["nonfinite_hyperparam_steps/learning_rate"] == 2
+  assert report["last_nonfinite_hyperparam_step/learning_rate"] == 3

@@ -127,34 +127,45 @@ def _with_poisoned_call(problem, what, value):
   return [*clean[:POISONED_STEP], poisoned, *clean[POISONED_STEP:]]
 
 
+NO_LEAF = {"w": 0, "b": 0}
+
+# (problem, what is poisoned, the leaves blamed, the hyperparameters blamed)
 ONE_CALL_CASES = [
     # Guards against a skip decided on the gradient only: a NaN learning rate multiplies
-    # every update (kernel.leaf_scaling: ``finite &= jnp.isfinite(learning_rate)``).
-    ("parameter_scale", "learning_rate", {"w": 1, "b": 1}),
+    # every update. safefactor checks it once per step (schedules.step_values) and blames
+    # the learning rate, not every leaf.
+    ("parameter_scale", "learning_rate", NO_LEAF, {"learning_rate": 1}),
     # Guards against a NaN param RMS let through: it multiplies the update when
     # multiply_by_parameter_scale is on (``checked.append(rms)``).
-    ("parameter_scale", "params", {"w": 1, "b": 0}),
+    ("parameter_scale", "params", {"w": 1, "b": 0}, {}),
     # Guards against a NaN param let through when weight decay adds ``rate * param`` to
     # the update and no parameter scale reads it (``checked.append(param)``).
-    ("weight_decay", "params", {"w": 1, "b": 0}),
+    ("weight_decay", "params", {"w": 1, "b": 0}, {}),
     # Guards against a NaN weight-decay rate let through (it was not checked at all: NaN
     # updates were returned and the step counted as applied).
-    ("weight_decay", "weight_decay_rate", {"w": 1, "b": 1}),
+    ("weight_decay", "weight_decay_rate", NO_LEAF, {"weight_decay_rate": 1}),
     # Guards against a param read only by the rounding write-back let through: the
     # update became NaN, and Kahan wrote NaN into its compensation for good.
-    ("stochastic_rounding", "params", {"w": 1, "b": 0}),
-    ("kahan_rounding", "params", {"w": 1, "b": 0}),
+    ("stochastic_rounding", "params", {"w": 1, "b": 0}, {}),
+    ("kahan_rounding", "params", {"w": 1, "b": 0}, {}),
     # skip_nonfinite decides from what adamw produces: a NaN rate or a NaN param (read
     # by its weight decay) makes NaN updates.
-    ("skip_nonfinite_adamw", "learning_rate", {"w": 1, "b": 1}),
-    ("skip_nonfinite_adamw", "params", {"w": 1, "b": 0}),
+    ("skip_nonfinite_adamw", "learning_rate", {"w": 1, "b": 1}, {}),
+    ("skip_nonfinite_adamw", "params", {"w": 1, "b": 0}, {}),
 ]
 
 
+def _hyperparam_counts(state):
+  """The hyperparameters the guard counted as non-finite, by name: {} for none."""
+  counts, last = state.nonfinite_hyperparams.host_values()
+  return {name: count for name, count in counts.items() if count}, last
+
+
 @pytest.mark.parametrize("poison", sorted(POISONS))
-@pytest.mark.parametrize("problem,what,blamed", ONE_CALL_CASES,
-                         ids=[f"{p}-{w}" for p, w, _ in ONE_CALL_CASES])
+@pytest.mark.parametrize("problem,what,blamed,blamed_hyperparams", ONE_CALL_CASES,
+                         ids=[f"{p}-{w}" for p, w, _, _ in ONE_CALL_CASES])
 def test_a_poisoned_input_of_one_call_is_skipped_and_leaves_no_trace(problem, what, blamed,
+                                                                     blamed_hyperparams,
                                                                      poison):
   params, state, history = _run_calls(problem, _with_poisoned_call(problem, what,
                                                                    POISONS[poison]))
@@ -165,6 +176,9 @@ def test_a_poisoned_input_of_one_call_is_skipped_and_leaves_no_trace(problem, wh
   assert _nonfinite_counts(state) == blamed
   assert {k: int(v) for k, v in state.last_nonfinite_step.per_leaf().items()} == {
       k: POISONED_STEP if n else -1 for k, n in blamed.items()}
+  hyperparams, last = _hyperparam_counts(state)
+  assert hyperparams == blamed_hyperparams
+  assert all(last[name] == POISONED_STEP for name in blamed_hyperparams)
   assert_trees_bitwise_equal(params, expected_params)
   assert_trees_bitwise_equal(state.inner_state, expected_state.inner_state)
   assert_trees_bitwise_equal(history[:POISONED_STEP] + history[POISONED_STEP + 1:],
@@ -238,7 +252,11 @@ def test_a_schedule_nonfinite_at_one_applied_step_stalls_there(name, poison):
         assert all(is_all_zero(u) for u in jax.tree.leaves(updates)), step
   skips = STEPS - POISONED_STEP
   assert int(osf.skipped_steps(state)) == skips == int(state.consecutive_skips)
-  assert _nonfinite_counts(state) == {"w": skips, "b": skips}
+  if name.startswith("safefactor_"):  # safefactor blames the hyperparameter, not the leaves
+    assert _nonfinite_counts(state) == NO_LEAF
+    assert _hyperparam_counts(state)[0] == {name.removeprefix("safefactor_"): skips}
+  else:  # skip_nonfinite sees only what adam produces: every leaf non-finite
+    assert _nonfinite_counts(state) == {"w": skips, "b": skips}
   assert_trees_bitwise_equal(params, stalled_params)
   assert_trees_bitwise_equal(state.inner_state, stalled_inner)
 

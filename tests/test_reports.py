@@ -266,3 +266,88 @@ def test_a_state_already_past_the_bound_is_reported():
   assert int(state.consecutive_skips) == 4
   with pytest.raises(osf.NonFiniteStepsError, match="4 consecutive optimizer steps"):
     osf.check_nonfinite_steps(state, max_consecutive=2)
+
+
+# A non-finite hyperparameter -------------------------------------------------------------
+
+SOURCES = "a schedule's value or an injected one"
+
+
+def _nan_from(step, value=0.1):
+  """A schedule that is ``value`` before ``step`` and NaN from it on."""
+  return lambda count: jnp.where(count >= step, jnp.nan, value)
+
+
+@pytest.mark.parametrize("name,tx", [
+    ("learning_rate", osf.safefactor(_nan_from(1))),
+    ("weight_decay_rate", osf.safefactor(0.1, weight_decay_rate=_nan_from(1, 1e-3))),
+    ("decay_rate", osf.scale_by_safe_factored_rms(
+        decay_rate_fn=lambda step, rate: jnp.where(step >= 1, jnp.nan, 0.5),
+        skip_nonfinite_steps=True)),
+])
+def test_a_nonfinite_hyperparameter_is_named_not_every_leaf(name, tx):
+  # 0.2 said "non-finite: all 3 leaves x3 (last at step 3)": nothing named the schedule.
+  _, state, _ = run_steps(tx, _params(), lambda step: _grads(), 4)
+  # A NaN beta2 also makes every leaf's statistics NaN: those leaves are named after it.
+  leaves = "; all 3 leaves x3 (last at step 3)" if name == "decay_rate" else ""
+  assert osf.nonfinite_summary(state) == (
+      f"skipped 3 of 4 steps (3 in a row); non-finite: hyperparameter {name} x3 (last at "
+      f"step 3), {SOURCES}{leaves}")
+  report = osf.nonfinite_report(state)
+  assert {key: value for key, value in report.items() if "/params[" not in key} == {
+      "skipped_steps": 3, "consecutive_skips": 3, "steps": 4,
+      f"nonfinite_hyperparam_steps/{name}": 3, f"last_nonfinite_hyperparam_step/{name}": 3,
+      "total_skipped_steps": 3}
+  with pytest.raises(osf.NonFiniteStepsError) as raised:
+    osf.check_nonfinite_steps(state, 2)
+  named_leaves = ("the leaves: params['a'], params['b'], params['c']" if leaves
+                  else "no leaf was")
+  assert str(raised.value) == (
+      f"3 consecutive optimizer steps were non-finite and skipped (max_consecutive=2); at step "
+      f"3 the non-finite hyperparameters were: {name} ({SOURCES}), and {named_leaves}. {HELD}")
+
+
+def test_max_consecutive_skips_names_the_learning_rate():
+  tx = osf.safefactor(_nan_from(1), max_consecutive_skips=2)
+  with pytest.raises(osf.NonFiniteStepsError,
+                     match=r"at step 2 the non-finite hyperparameters were: learning_rate "
+                           r"\(a schedule's value or an injected one\), and no leaf was"):
+    run_steps(tx, _params(), lambda step: _grads(), 4, jit=False)
+
+
+def test_a_learning_rate_that_overflows_float32_is_named():
+  tx = osf.safefactor(1e39)  # finite as a Python float, inf in the float32 step
+  _, state, _ = run_steps(tx, _params(), lambda step: _grads(), 2)
+  assert osf.nonfinite_report(state)["nonfinite_hyperparam_steps/learning_rate"] == 2
+
+
+def test_a_bad_hyperparameter_and_a_bad_leaf_are_both_named():
+  # The schedule reads the applied steps: from step 1 on, every step is skipped.
+  tx = osf.safefactor(_nan_from(1))
+  _, state, _ = run_steps(tx, _params(), lambda step: _grads(("b",) if step == 2 else ()), 3)
+  assert osf.nonfinite_summary(state) == (
+      "skipped 2 of 3 steps (2 in a row); non-finite: hyperparameter learning_rate x2 (last at "
+      f"step 2), {SOURCES}; params['b'] x1 (last at step 2)")
+
+
+def test_an_injected_learning_rate_is_named_by_either_guard():
+  params = _params()
+  for tx, leaves in ((optax.inject_hyperparams(osf.safefactor)(learning_rate=0.1), ""),
+                     (osf.skip_nonfinite(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)),
+                      "; all 3 leaves x1 (last at step 0)")):
+    state = tx.init(params)
+    injected = state if not isinstance(state, osf.SkipNonfiniteState) else state.inner_state
+    injected.hyperparams["learning_rate"] = jnp.asarray(jnp.nan)
+    _, state = jax.jit(tx.update)(_grads(), state, params)
+    assert osf.nonfinite_summary(state) == (
+        "skipped 1 of 1 step (1 in a row); non-finite: hyperparameter learning_rate x1 (last "
+        f"at step 0), {SOURCES}{leaves}")
+
+
+def test_checked_mode_names_the_hyperparameter():
+  from jax.experimental import checkify
+
+  tx = osf.safefactor(_nan_from(0), checked=True)
+  params = _params()
+  error, _ = checkify.checkify(tx.update)(_grads(), tx.init(params), params)
+  assert "learning_rate: non-finite hyperparameter at step 0" in error.get()

@@ -212,17 +212,17 @@ def check_has_momentum(state_momentum: Any, momentum: Any) -> None:
 _ADAFACTOR_STATE = "the AdafactorState (opt_state.inner_state with the guard on)"
 
 
-def check_has_compensation(state_compensation: Any, param_rounding: str,
+def check_has_compensation(state_compensation: Any, keeps: bool, param_rounding: str,
                            holder: str = _ADAFACTOR_STATE, setting: str = "param_rounding"
                            ) -> None:
-  """The state holds a Kahan compensation exactly when the optimizer keeps one: ``ValueError``.
+  """The state holds a Kahan compensation exactly when the optimizer ``keeps`` one (its
+  ``param_rounding`` is Kahan): ``ValueError``.
 
   A state made with another ``param_rounding`` would otherwise fail inside the
   write-back (no compensation to add) or have its compensation carried along unused.
   ``holder`` says which state the fix replaces the compensation of, ``setting`` names
   the argument that picks the rounding.
   """
-  keeps = param_rounding == "kahan"
   if (state_compensation is not None) == keeps:
     return
   if keeps:

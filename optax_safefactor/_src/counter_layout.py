@@ -1,10 +1,11 @@
-"""Optimizer states written by optax_safefactor 0.2: their per-leaf counters, converted.
+"""Optimizer states written by optax_safefactor 0.2: their guards' counters, converted.
 
 Release 0.2 kept each guard's per-leaf counters (``nonfinite_steps`` and
-``last_nonfinite_step``) as trees of int32 scalars shaped like the params; later releases
-keep each as one :class:`LeafCounts` vector, which compiles in a fraction of the time on
-trees of hundreds of leaves. Everything else in the state is unchanged, so these two
-functions are all a 0.2 checkpoint needs.
+``last_nonfinite_step``) as trees of int32 scalars shaped like the params; 0.3 keeps
+each as one :class:`LeafCounts` vector, which compiles in a fraction of the time on
+trees of hundreds of leaves, and adds the guard's ``nonfinite_hyperparams`` (a
+:class:`HyperparamCounts`, which 0.2 did not have). Everything else in the state is
+unchanged, so these two functions are all a 0.2 checkpoint needs.
 """
 
 from __future__ import annotations
@@ -13,24 +14,45 @@ from typing import Any
 
 import jax
 
-from optax_safefactor._src.counters import COUNTER_TYPES, LeafCounts
+from optax_safefactor._src.counters import (
+    COUNTER_TYPES,
+    HyperparamCounts,
+    LeafCounts,
+    SkipNonfiniteState,
+)
+from optax_safefactor._src.guard import injected_hyperparams
+from optax_safefactor._src.schedules import CHECKED_HYPERPARAMS
+from optax_safefactor._src.transform import AdafactorState
 
 
 def _is_counters(x: Any) -> bool:
   return isinstance(x, COUNTER_TYPES)
 
 
-def _convert_counters(opt_state: Any, convert_counts) -> Any:
+def _convert_counters(opt_state: Any, convert_counts, convert_hyperparams) -> Any:
   def convert(node):
     if not _is_counters(node):
       return node
     inner = getattr(node, "inner_state", None)
     if inner is not None:  # a guard around a chain that holds another guard
-      node = node._replace(inner_state=_convert_counters(inner, convert_counts))
+      node = node._replace(inner_state=_convert_counters(inner, convert_counts,
+                                                         convert_hyperparams))
+    if isinstance(node, SkipNonfiniteState):
+      node = node._replace(nonfinite_hyperparams=convert_hyperparams(node))
     return node._replace(nonfinite_steps=convert_counts(node.nonfinite_steps),
                          last_nonfinite_step=convert_counts(node.last_nonfinite_step))
 
   return jax.tree.map(convert, opt_state, is_leaf=_is_counters)
+
+
+def _hyperparam_counts(guard: SkipNonfiniteState) -> HyperparamCounts:
+  """The guard's hyperparameter counts, none seen where 0.2 kept none: safefactor's
+  own guard checks its step's hyperparameters, ``skip_nonfinite`` the injected ones."""
+  if isinstance(guard.nonfinite_hyperparams, HyperparamCounts):
+    return guard.nonfinite_hyperparams
+  names = (CHECKED_HYPERPARAMS if isinstance(guard.inner_state, AdafactorState)
+           else tuple(injected_hyperparams(guard.inner_state)))
+  return HyperparamCounts.zeros(names)
 
 
 def _to_vector(counts: Any) -> LeafCounts:
@@ -42,11 +64,12 @@ def _to_tree(counts: Any) -> Any:
 
 
 def migrate_from_0_2(opt_state: Any) -> Any:
-  """``opt_state`` with the per-leaf counters of release 0.2 in today's layout.
+  """``opt_state`` with the guards' counters of release 0.2 in today's layout.
 
   A 0.2 state keeps each guard's ``nonfinite_steps`` and ``last_nonfinite_step`` as
-  trees of int32 scalars shaped like the params; this returns the same state with each
-  as a :class:`LeafCounts` vector (the same values, in the params' leaf order), through
+  trees of int32 scalars shaped like the params, and has no ``nonfinite_hyperparams``;
+  this returns the same state with each as a :class:`LeafCounts` vector (the same
+  values, in the params' leaf order) and ``nonfinite_hyperparams`` at zero, through
   any nesting (``optax.chain``, ``inject_hyperparams``, a guard in a guard,
   :func:`accumulate_gradients`). A state already in today's layout is returned as it
   is. To restore a 0.2 checkpoint, restore it into the target
@@ -69,17 +92,17 @@ def migrate_from_0_2(opt_state: Any) -> Any:
   Returns:
     The state, every guard's per-leaf counters as :class:`LeafCounts`.
   """
-  return _convert_counters(opt_state, _to_vector)
+  return _convert_counters(opt_state, _to_vector, _hyperparam_counts)
 
 
 def state_in_0_2_layout(opt_state: Any) -> Any:
   """``opt_state`` with each guard's per-leaf counters as release 0.2 kept them.
 
-  Each :class:`LeafCounts` becomes a tree of int32 scalars shaped like the params: the
-  structure a 0.2 checkpoint was written with, so the target to restore one into
-  (``state_in_0_2_layout(jax.eval_shape(tx.init, params))`` with orbax, say); then
-  :func:`migrate_from_0_2` makes the restored state usable by ``update``. The inverse of
-  :func:`migrate_from_0_2`.
+  Each :class:`LeafCounts` becomes a tree of int32 scalars shaped like the params, and
+  ``nonfinite_hyperparams`` is dropped: the structure a 0.2 checkpoint was written with,
+  so the target to restore one into (``state_in_0_2_layout(jax.eval_shape(tx.init,
+  params))`` with orbax, say); then :func:`migrate_from_0_2` makes the restored state
+  usable by ``update``. The inverse of :func:`migrate_from_0_2`.
 
   Args:
     opt_state: an optimizer state (or its abstract shapes, from ``jax.eval_shape``).
@@ -87,4 +110,4 @@ def state_in_0_2_layout(opt_state: Any) -> Any:
   Returns:
     The state, every guard's per-leaf counters as trees shaped like the params.
   """
-  return _convert_counters(opt_state, _to_tree)
+  return _convert_counters(opt_state, _to_tree, lambda guard: None)

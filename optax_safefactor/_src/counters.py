@@ -85,6 +85,50 @@ class LeafCounts:
 jax.tree_util.register_dataclass(LeafCounts, data_fields=["counts"], meta_fields=["treedef"])
 
 
+@dataclasses.dataclass(frozen=True)
+class HyperparamCounts:
+  """Per hyperparameter a guard checks: in how many steps its value was non-finite, and
+  the last such step (the guard's ``step`` then, or -1).
+
+  A NaN learning-rate schedule makes every update NaN; counted here, the reports name the
+  hyperparameter rather than every leaf. ``names`` are the hyperparameters' names
+  (``"learning_rate"``), a static part of the pytree like :class:`LeafCounts`'s treedef.
+
+  Attributes:
+    counts: int32 array of shape ``(len(names),)``.
+    last_step: int32 array of shape ``(len(names),)``.
+    names: the hyperparameters' names, in the arrays' order.
+  """
+
+  counts: jax.Array
+  last_step: jax.Array
+  names: tuple[str, ...]
+
+  @classmethod
+  def zeros(cls, names: tuple[str, ...]) -> HyperparamCounts:
+    """No non-finite value seen yet, for each of ``names``."""
+    return cls(jnp.zeros([len(names)], jnp.int32), jnp.full([len(names)], -1, jnp.int32),
+               tuple(names))
+
+  def counted(self, finite: jax.Array, step: jax.Array) -> HyperparamCounts:
+    """After a step (the guard's ``step``) whose hyperparameters' finiteness is ``finite``
+    (a bool vector in the order of ``names``)."""
+    return dataclasses.replace(
+        self,
+        counts=select(finite, self.counts, optax.safe_increment(self.counts)),
+        last_step=select(finite, self.last_step, step))
+
+  def host_values(self) -> tuple[dict[str, int], dict[str, int]]:
+    """The counts and last steps as host ints by name."""
+    counts = np.asarray(unbox(self.counts)).tolist()
+    last = np.asarray(unbox(self.last_step)).tolist()
+    return dict(zip(self.names, counts, strict=True)), dict(zip(self.names, last, strict=True))
+
+
+jax.tree_util.register_dataclass(HyperparamCounts, data_fields=["counts", "last_step"],
+                                 meta_fields=["names"])
+
+
 class SkipNonfiniteState(NamedTuple):
   """State of :func:`skip_nonfinite` (and of :func:`safefactor`, which guards itself).
 
@@ -100,6 +144,12 @@ class SkipNonfiniteState(NamedTuple):
     spikes: with ``skip_spikes``, the spike rule's :class:`SpikeHistory` (its skipped
       spikes are counted in ``skipped_steps`` too, never in ``consecutive_skips``);
       ``None`` without.
+    nonfinite_hyperparams: per hyperparameter the guard checks (safefactor's learning
+      rate, weight-decay rate and the other values its step reads; the values
+      ``optax.inject_hyperparams`` holds inside :func:`skip_nonfinite`), in how many steps
+      it was non-finite and when last (a :class:`HyperparamCounts`). Such a step is
+      skipped and counted in ``skipped_steps`` and ``consecutive_skips``. Added in 0.3:
+      :func:`migrate_from_0_2` fills it in an older state.
   """
 
   inner_state: Any
@@ -109,6 +159,7 @@ class SkipNonfiniteState(NamedTuple):
   nonfinite_steps: Any
   last_nonfinite_step: Any
   spikes: Any = None
+  nonfinite_hyperparams: Any = None
 
 
 class MicroBatchCounters(NamedTuple):
@@ -166,12 +217,14 @@ def _zero_counts(params: Any) -> dict[str, Any]:
   )
 
 
-def init_guarded(inner_state: Any, params: Any,
-                 spike_window: int | None = None) -> SkipNonfiniteState:
-  """A guard's state around ``inner_state``, with every counter at zero, and an empty
-  spike history of ``spike_window`` steps unless that is ``None``."""
+def init_guarded(inner_state: Any, params: Any, spike_window: int | None = None,
+                 hyperparams: tuple[str, ...] = ()) -> SkipNonfiniteState:
+  """A guard's state around ``inner_state``, with every counter at zero, an empty
+  spike history of ``spike_window`` steps unless that is ``None``, and counts for the
+  named ``hyperparams``."""
   spikes = None if spike_window is None else init_history(spike_window)
-  return SkipNonfiniteState(inner_state=inner_state, **_zero_counts(params), spikes=spikes)
+  return SkipNonfiniteState(inner_state=inner_state, **_zero_counts(params), spikes=spikes,
+                            nonfinite_hyperparams=HyperparamCounts.zeros(hyperparams))
 
 
 def init_micro_batch_counters(params: Any) -> MicroBatchCounters:

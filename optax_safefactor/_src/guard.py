@@ -38,21 +38,36 @@ from jax.experimental import checkify
 
 from optax_safefactor._src import checks, numerics, reports, spikes, xla_hints
 from optax_safefactor._src.checked_mode import needs_checkify
-from optax_safefactor._src.counters import SkipNonfiniteState, count_call, init_guarded
+from optax_safefactor._src.counters import (
+    HyperparamCounts,
+    SkipNonfiniteState,
+    count_call,
+    init_guarded,
+)
 from optax_safefactor._src.kernel import abs_sq
-from optax_safefactor._src.trees import flag_vector, keep_unless_skipped, zero_if_skipped
+from optax_safefactor._src.trees import (
+    find_all,
+    flag_vector,
+    keep_unless_skipped,
+    zero_if_skipped,
+)
 
 
-def _raise_if_over(consecutive, step, leaf_finite, *, leaf_names, max_consecutive) -> None:
-  """On the host: raise :class:`NonFiniteStepsError` naming the leaves that were not finite."""
+def _raise_if_over(consecutive, step, leaf_finite, hyperparams_finite, *, leaf_names,
+                   hyperparam_names, max_consecutive) -> None:
+  """On the host: raise :class:`NonFiniteStepsError` naming the hyperparameters and the
+  leaves that were not finite."""
   if int(consecutive) >= max_consecutive:
-    bad = [name for name, finite in zip(leaf_names, np.asarray(leaf_finite), strict=True)
-           if not finite]
-    raise reports.nonfinite_steps_error(int(consecutive), int(step), bad, max_consecutive)
+    def bad(names, finite):
+      return [name for name, ok in zip(names, np.asarray(finite), strict=True) if not ok]
+
+    raise reports.nonfinite_steps_error(
+        int(consecutive), int(step), bad(leaf_names, leaf_finite), max_consecutive,
+        bad_hyperparams=bad(hyperparam_names, hyperparams_finite))
 
 
-def _stop_after_max_consecutive(consecutive, step, leaf_finite, leaf_names,
-                                max_consecutive) -> None:
+def _stop_after_max_consecutive(consecutive, step, leaf_finite, hyperparams_finite,
+                                leaf_names, hyperparam_names, max_consecutive) -> None:
   """Raise :class:`NonFiniteStepsError` once ``max_consecutive`` steps in a row were skipped.
 
   Eagerly the error is raised here, as itself. Under ``jax.jit`` it is raised on the
@@ -61,13 +76,45 @@ def _stop_after_max_consecutive(consecutive, step, leaf_finite, leaf_names,
   type itself from the state.
   """
   raise_if_over = partial(_raise_if_over, leaf_names=leaf_names,
-                          max_consecutive=max_consecutive)
+                          hyperparam_names=hyperparam_names, max_consecutive=max_consecutive)
+  flags = (consecutive, step, leaf_finite, hyperparams_finite)
   if not isinstance(consecutive, jax.core.Tracer):
-    raise_if_over(consecutive, step, leaf_finite)
+    raise_if_over(*flags)
     return
   jax.lax.cond(consecutive >= max_consecutive,
-               lambda: jax.debug.callback(raise_if_over, consecutive, step, leaf_finite),
+               lambda: jax.debug.callback(raise_if_over, *flags),
                lambda: None)
+
+
+def injected_hyperparams(inner_state: Any) -> dict[str, jax.Array]:
+  """The floating values ``optax.inject_hyperparams`` keeps in ``inner_state``, by name
+  (``learning_rate``; ``<i>/learning_rate`` when several injections hold them)."""
+  # inject_hyperparams' state is an InjectStatefulHyperparamsState (its subclass
+  # InjectHyperparamsState in older optax releases).
+  injections = find_all(inner_state, optax.InjectStatefulHyperparamsState)
+  found = {}
+  for index, injection in enumerate(injections):
+    for name, value in sorted(injection.hyperparams.items()):
+      if jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        found[name if len(injections) == 1 else f"{index}/{name}"] = value
+  return found
+
+
+def _hyperparam_counts(state: SkipNonfiniteState, finite: jax.Array) -> HyperparamCounts:
+  """The guard's hyperparameter counts after a step whose hyperparameters' finiteness is
+  ``finite`` (one flag per name)."""
+  counts = state.nonfinite_hyperparams
+  if not isinstance(counts, HyperparamCounts):
+    raise TypeError(
+        "SkipNonfiniteState.nonfinite_hyperparams must be a HyperparamCounts, got "
+        f"{type(counts).__name__}: a state in the layout of optax_safefactor 0.2; convert "
+        "it with osf.migrate_from_0_2(opt_state)")
+  if counts.counts.shape != finite.shape:
+    raise ValueError(
+        f"the optimizer state checks the hyperparameters {list(counts.names)}, but this "
+        f"optimizer checks {finite.shape[0]}: the state was made by an optimizer of another "
+        "configuration; make it with this optimizer's init")
+  return counts.counted(finite, state.step)
 
 
 def record_step(
@@ -79,23 +126,35 @@ def record_step(
     max_consecutive: int | None,
     checked: bool,
     spike: spikes.SpikeVerdict | None = None,
+    hyperparams_finite: jax.Array | None = None,
 ) -> SkipNonfiniteState:
   """The guard's new state after a step whose non-finite verdict is ``step_finite``.
 
   ``new_inner_state`` must already be the old inner state where the step is skipped
   (non-finite, or a spike by ``spike``, the verdict of :func:`spikes.judge` when spike
   skipping is on); ``leaf_finite`` is a bool vector, one flag per param leaf in the
-  params' leaf order.
+  params' leaf order, and ``hyperparams_finite`` one per hyperparameter the state counts
+  (``None`` for none).
   """
+  if hyperparams_finite is None:
+    hyperparams_finite = jnp.ones([0], bool)
+  hyperparam_counts = _hyperparam_counts(state, hyperparams_finite)
   if spike is None:
     counted = count_call(state, leaf_finite, step_finite)
   else:
     counted = count_call(state, leaf_finite, step_finite & ~spike.skip, spike.skip)
     counted = counted._replace(spikes=spikes.record(state.spikes, spike, step_finite,
                                                     state.step))
+  counted = counted._replace(nonfinite_hyperparams=hyperparam_counts)
   if checked or max_consecutive is not None:
     leaf_names = state.nonfinite_steps.names()
   if checked:
+    for index, name in enumerate(hyperparam_counts.names):
+      checkify.check(
+          needs_checkify(hyperparams_finite[index]),
+          f"{name}: non-finite hyperparameter at step {{step}} (this step's value of a "
+          "schedule, or an injected value); the step was skipped", step=state.step,
+      )
     for index, name in enumerate(leaf_names):
       checkify.check(
           needs_checkify(leaf_finite[index]),
@@ -104,7 +163,8 @@ def record_step(
       )
   if max_consecutive is not None:
     _stop_after_max_consecutive(counted.consecutive_skips, state.step, leaf_finite,
-                                leaf_names, max_consecutive)
+                                hyperparams_finite, leaf_names, hyperparam_counts.names,
+                                max_consecutive)
   return counted._replace(inner_state=new_inner_state)
 
 
@@ -251,8 +311,9 @@ def skip_nonfinite(
   def init_fn(params):
     # Any dtype: skip_nonfinite wraps any transformation, which decides about integer leaves.
     checks.check_init_params(params, any_dtype=True)
-    return init_guarded(inner.init(params), params,
-                        None if skip_spikes is None else int(spike_window))
+    inner_state = inner.init(params)
+    return init_guarded(inner_state, params, None if skip_spikes is None else int(spike_window),
+                        tuple(injected_hyperparams(inner_state)))
 
   def update_fn(updates, state, params=None, **extra_args):
     checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
@@ -261,7 +322,12 @@ def skip_nonfinite(
     loss = spikes.loss_given(extra_args) if skip_spikes is not None else None
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     leaf_finite = _leaf_finite_from_outputs(new_updates, new_inner)
-    step_finite = xla_hints.computed_once([leaf_finite])
+    # The values optax.inject_hyperparams used this step, kept in the new inner state.
+    hyperparams = injected_hyperparams(new_inner).values()
+    hyperparams_finite = (flag_vector([jnp.all(jnp.isfinite(v)) for v in hyperparams])
+                          if hyperparams else None)
+    step_finite = xla_hints.computed_once(
+        [leaf_finite] + ([] if hyperparams_finite is None else [hyperparams_finite]))
     spike, applied = None, step_finite
     if skip_spikes is not None:
       spike = spikes.judge(state.spikes, _square_sums(updates), loss, skip_spikes, step_finite)
@@ -271,7 +337,7 @@ def skip_nonfinite(
                              state.inner_state)
     return new_updates, record_step(state, new_inner, leaf_finite, step_finite,
                                     max_consecutive=max_consecutive, checked=checked,
-                                    spike=spike)
+                                    spike=spike, hyperparams_finite=hyperparams_finite)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

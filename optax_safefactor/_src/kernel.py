@@ -407,9 +407,8 @@ def leaf_scaling(
     square_sum, count = sum_abs_sq(scaled, plan.batch_axes)
     checked.append(square_sum)
   if step.learning_rate is not None:
-    learning_rate = jnp.asarray(step.learning_rate, real_ct)
-    finite &= jnp.isfinite(learning_rate)
-    multiplier = times(learning_rate)
+    # Its finiteness is the step's, checked once (schedules.step_values), not per leaf.
+    multiplier = times(jnp.asarray(step.learning_rate, real_ct))
   if hp.multiply_by_parameter_scale:
     rms, param_square_sum = param_rms(param_read, plan.batch_axes)
     # The flag reads the reduction itself, not the clamp or the mean: XLA then copies
@@ -422,9 +421,6 @@ def leaf_scaling(
     # The clipping divides the rest of the multiplier: one scalar kernel per leaf makes
     # the whole multiplier, where a clipping factor of its own was a kernel of its own.
     multiplier = clipped(multiplier, mean_of(square_sum, count), hp.clipping_threshold)
-  if decays:
-    # A schedule's NaN rate would make ``rate * param`` NaN, as a NaN learning rate would.
-    finite &= jnp.isfinite(jnp.asarray(step.weight_decay_rate, real_ct))
   # The old momentum (without clipping) and compensation are blended into the update: NaN
   # there is NaN in it. A sum fuses into the read of a state in the compute dtype, where
   # all(isfinite) writes a boolean temporary per leaf on the CPU backend; for a narrower

@@ -137,8 +137,8 @@ def with_param_rounding(
   def update_fn(updates, state, params=None, **extra_args):
     checks.check_state_type(state, ParamRoundingState, updates, "with_param_rounding")
     checks.check_counters(state, ("count",))
-    checks.check_has_compensation(state.compensation, mode, "the with_param_rounding state",
-                                  "mode")
+    checks.check_has_compensation(state.compensation, keeps_compensation, mode,
+                                  "the with_param_rounding state", "mode")
     if write_back.rounds_onto_params(mode) and params is None:
       raise ValueError(
           f"with_param_rounding(mode={mode!r}) needs params: call update(grads, state, params)"

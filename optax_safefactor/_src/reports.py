@@ -1,7 +1,7 @@
 """What the guards saw, for the host: a count, a log line, a dict to log, and the one error.
 
-Every report is derived from :func:`guard_records`, one record per guard found by
-:func:`counters.find_counters`, so the reports always agree with each other; the
+Every report is derived from :func:`guard_records.guard_records`, one record per guard
+found by :func:`counters.find_counters`, so the reports always agree with each other; the
 :class:`NonFiniteStepsError` message is built by :func:`nonfinite_steps_error` alone.
 """
 
@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_safefactor._src import checks, counters, spikes
+from optax_safefactor._src import checks, counters
+from optax_safefactor._src.guard_records import GuardRecord, SpikeRecord, guard_records
 from optax_safefactor._src.placement import unbox
 
 
@@ -22,41 +23,6 @@ class NonFiniteStepsError(FloatingPointError):
 
 # Shown (and pickled) under its public name.
 NonFiniteStepsError.__module__ = "optax_safefactor"
-
-
-class GuardRecord(NamedTuple):
-  """What one guard saw, as host numbers: the single source of every report.
-
-  ``kind`` is ``"steps"`` for a :class:`SkipNonfiniteState` and ``"micro_batches"``
-  for :func:`accumulate_gradients`' :class:`MicroBatchCounters`; it decides the words
-  and keys the reports use, never the numbers.
-  """
-
-  skipped: int
-  consecutive: int
-  calls: int
-  nonfinite: dict[str, int]
-  last_nonfinite: dict[str, int]
-  kind: str = "steps"
-  spikes: SpikeRecord | None = None
-
-
-class SpikeRecord(NamedTuple):
-  """What one guard's spike rule saw, as host numbers (a part of :class:`GuardRecord`).
-
-  ``last_*`` describe the last skipped spike: its step, the statistic (``"gradient
-  norm"`` or ``"loss"``), its value and the limit it was above, and the parameter whose
-  gradient norm was largest then, with that norm; they are ``None`` before any.
-  """
-
-  skipped: int
-  consecutive: int
-  last_step: int | None
-  last_statistic: str | None
-  last_value: float | None
-  last_limit: float | None
-  last_leaf: str | None
-  last_leaf_norm: float | None
 
 
 class _Wording(NamedTuple):
@@ -92,66 +58,37 @@ _WORDING = {
 
 
 def nonfinite_steps_error(consecutive: int, step: int, bad_leaves: list[str],
-                          max_consecutive: int, kind: str = "steps") -> NonFiniteStepsError:
-  """The error for ``consecutive`` skips in a row, the last at ``step``, naming ``bad_leaves``.
+                          max_consecutive: int, kind: str = "steps",
+                          bad_hyperparams: list[str] = ()) -> NonFiniteStepsError:
+  """The error for ``consecutive`` skips in a row, the last at ``step``, naming
+  ``bad_hyperparams`` (first: a NaN learning rate makes every leaf non-finite) and
+  ``bad_leaves``.
 
   >>> print(nonfinite_steps_error(1, 4, ["['w']"], 1))
   1 optimizer step was non-finite and skipped (max_consecutive=1); at step 4 the non-finite \
 leaves were: ['w']. Params and optimizer state hold the last finite step.
+  >>> print(nonfinite_steps_error(2, 4, [], 2, bad_hyperparams=["learning_rate"]))
+  2 consecutive optimizer steps were non-finite and skipped (max_consecutive=2); at step 4 \
+the non-finite hyperparameters were: learning_rate (a schedule's value or an injected one), \
+and no leaf was. Params and optimizer state hold the last finite step.
   """
   words = _WORDING[kind]
   # max_consecutive=1 stops at the first skip: "1 consecutive steps were" is wrong twice.
   what = (f"1 {words.skipped_one} was" if consecutive == 1
           else f"{consecutive} consecutive {words.skipped_what} were")
+  leaves = f"the non-finite leaves were: {', '.join(bad_leaves) or '(optimizer state only)'}"
+  if bad_hyperparams:
+    leaves = (f"the non-finite hyperparameters were: {', '.join(bad_hyperparams)} "
+              f"({HYPERPARAM_SOURCES}), and "
+              + (f"the leaves: {', '.join(bad_leaves)}" if bad_leaves else "no leaf was"))
   return NonFiniteStepsError(
       f"{what} non-finite and skipped "
-      f"(max_consecutive={max_consecutive}); at {words.one} {step} the non-finite leaves "
-      f"were: {', '.join(bad_leaves) or '(optimizer state only)'}. {words.held}"
+      f"(max_consecutive={max_consecutive}); at {words.one} {step} {leaves}. {words.held}"
   )
 
 
-def _kind(found: counters.SkipNonfiniteState | counters.MicroBatchCounters) -> str:
-  return "micro_batches" if isinstance(found, counters.MicroBatchCounters) else "steps"
-
-
-def _spike_record(history: Any, leaf_names: list[str]) -> SpikeRecord | None:
-  if history is None:
-    return None
-  skipped = int(history.skipped_spikes)
-  leaf = int(history.last_spike_leaf)
-  seen = skipped > 0
-  return SpikeRecord(
-      skipped=skipped,
-      consecutive=int(history.consecutive_spikes),
-      last_step=int(history.last_spike_step) if seen else None,
-      last_statistic=spikes.STATISTIC_NAMES[int(history.last_spike_statistic)] if seen else None,
-      last_value=float(history.last_spike_value) if seen else None,
-      last_limit=float(history.last_spike_limit) if seen else None,
-      last_leaf=leaf_names[leaf] if seen and 0 <= leaf < len(leaf_names) else None,
-      last_leaf_norm=float(history.last_spike_leaf_norm) if seen else None,
-  )
-
-
-def guard_records(opt_state: Any) -> list[GuardRecord]:
-  """One :class:`GuardRecord` per guard found anywhere in ``opt_state``, guards inside
-  another guard included, in the state's tree order (a guard before those inside it).
-
-  The micro-batch counters of :func:`accumulate_gradients` are records too, of kind
-  ``"micro_batches"``.
-  """
-  records = []
-  for guard in counters.find_counters(opt_state):
-    nonfinite = guard.nonfinite_steps.host_values()
-    records.append(GuardRecord(
-        skipped=int(unbox(guard.skipped_steps)),
-        consecutive=int(unbox(guard.consecutive_skips)),
-        calls=int(unbox(guard.step)),
-        nonfinite=nonfinite,
-        last_nonfinite=guard.last_nonfinite_step.host_values(),
-        kind=_kind(guard),
-        spikes=_spike_record(getattr(guard, "spikes", None), list(nonfinite)),
-    ))
-  return records
+# Where a non-finite hyperparameter comes from, for the error and the summary.
+HYPERPARAM_SOURCES = "a schedule's value or an injected one"
 
 
 def _labelled(records: list[GuardRecord]) -> list[tuple[int, str, GuardRecord]]:
@@ -299,6 +236,11 @@ def nonfinite_report(opt_state: Any) -> dict[str, int | float]:
     for path, count in record.nonfinite.items():
       if count:
         report[f"{prefix}{keys.last_nonfinite}/{path}"] = record.last_nonfinite[path]
+    for name, count in record.hyperparams.items():
+      if count:
+        report[f"{prefix}nonfinite_hyperparam_steps/{name}"] = count
+        report[f"{prefix}last_nonfinite_hyperparam_step/{name}"] = (
+            record.last_hyperparams[name])
     report.update({prefix + key: value for key, value in _spike_keys(record.spikes).items()})
   report["total_skipped_steps"] = sum(record.skipped for record in records)
   return report
@@ -341,11 +283,23 @@ SUMMARY_PATH_CHARACTERS = 360
 
 
 def _nonfinite_leaves(record: GuardRecord, words: _Wording, budget: int) -> str:
-  """The non-finite leaves, worst first: the most often non-finite, then the latest."""
+  """The non-finite hyperparameters, then the leaves, worst first: the most often
+  non-finite, then the latest."""
+  hyperparams = [f"{name} x{count} (last at {words.one} {record.last_hyperparams[name]})"
+                 for name, count in record.hyperparams.items() if count]
+  leaves = _nonfinite_leaves_only(record, words, budget)
+  if not hyperparams:
+    return leaves or "state only"
+  named = f"hyperparameter {', '.join(hyperparams)}, {HYPERPARAM_SOURCES}"
+  return f"{named}; {leaves}" if leaves else named
+
+
+def _nonfinite_leaves_only(record: GuardRecord, words: _Wording, budget: int) -> str:
+  """The non-finite leaves (worst first), or ``""`` for none."""
   bad = [(path, count, record.last_nonfinite[path])
          for path, count in record.nonfinite.items() if count]
   if not bad:
-    return "state only"
+    return ""
   if len(bad) > 1 and len(bad) == len(record.nonfinite) and len({b[1:] for b in bad}) == 1:
     _, count, last = bad[0]
     return f"all {len(bad)} leaves x{count} (last at {words.one} {last})"
@@ -468,5 +422,7 @@ def check_nonfinite_steps(opt_state: Any, max_consecutive: int) -> None:
     if record.consecutive >= max_consecutive:
       last_step = record.calls - 1
       bad = [path for path, last in record.last_nonfinite.items() if last == last_step]
+      bad_hyperparams = [name for name, last in record.last_hyperparams.items()
+                         if last == last_step]
       raise nonfinite_steps_error(record.consecutive, last_step, bad, max_consecutive,
-                                  record.kind)
+                                  record.kind, bad_hyperparams)

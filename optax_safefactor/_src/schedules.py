@@ -56,11 +56,37 @@ class StepValues(NamedTuple):
     beta2: the second-moment decay, by real compute dtype (float32, float64).
     learning_rate: this step's learning rate, or ``None`` when there is none.
     weight_decay_rate: this step's weight-decay rate, or ``None`` when off.
+    hyperparams_finite: per name in :data:`CHECKED_HYPERPARAMS`, whether its value this
+      step is finite in every real compute dtype (a bool vector).
   """
 
   beta2: dict[np.dtype, jax.Array]
   learning_rate: Any | None
   weight_decay_rate: Any | None
+  hyperparams_finite: jax.Array
+
+
+# The hyperparameters whose values the step reads and the guard checks, each counted in the
+# guard's state under its name. A number given at construction was checked there; a
+# schedule's value, or a value optax.inject_hyperparams passes as an array, is checked at
+# each step. "decay_rate" stands for this step's beta2, whatever it was made from
+# (decay_rate, decay_offset, decay_rate_fn, beta2_cap).
+CHECKED_HYPERPARAMS = ("learning_rate", "weight_decay_rate", "decay_rate", "momentum",
+                       "clipping_threshold", "eps", "min_parameter_scale",
+                       "max_parameter_scale")
+
+
+def _finite_in(value: Any, real_dtypes: set[np.dtype]) -> jax.Array | bool:
+  """Whether ``value`` (a number, an array or ``None``) is finite in every real dtype the
+  step computes in (1e39 is not, in float32); a plain bool when it is known now."""
+  if value is None:
+    return True
+  if not isinstance(value, (jax.Array, jax.core.Tracer)):
+    with np.errstate(over="ignore", invalid="ignore"):
+      return all(bool(np.all(np.isfinite(np.asarray(value).astype(dtype))))
+                 for dtype in real_dtypes)
+  dtypes = sorted(real_dtypes, key=str) or [np.dtype(np.float32)]  # float32 for no leaves
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(value.astype(dtype))) for dtype in dtypes]))
 
 
 def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
@@ -77,9 +103,29 @@ def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -
       )
       for dtype in sorted(real_dtypes, key=str)
   }
+  learning_rate = None if hp.learning_rate is None else _value_at(hp.learning_rate, count)
+  weight_decay_rate = (None if hp.weight_decay_rate is None
+                       else _value_at(hp.weight_decay_rate, count))
+  finite = {
+      "learning_rate": _finite_in(learning_rate, real_dtypes),
+      "weight_decay_rate": _finite_in(weight_decay_rate, real_dtypes),
+      "decay_rate": _beta2_finite(hp, beta2),
+      **{name: _finite_in(getattr(hp, name), real_dtypes) for name in CHECKED_HYPERPARAMS[3:]},
+  }
   return StepValues(
       beta2=beta2,
-      learning_rate=None if hp.learning_rate is None else _value_at(hp.learning_rate, count),
-      weight_decay_rate=(None if hp.weight_decay_rate is None
-                         else _value_at(hp.weight_decay_rate, count)),
+      learning_rate=learning_rate,
+      weight_decay_rate=weight_decay_rate,
+      hyperparams_finite=jnp.stack([jnp.asarray(finite[name]) for name in CHECKED_HYPERPARAMS]),
   )
+
+
+def _beta2_finite(hp: Hyperparams, beta2: dict[np.dtype, jax.Array]) -> jax.Array | bool:
+  """Whether this step's beta2 is finite; True when it is made from numbers checked at
+  construction by the power schedule, which is finite for every step."""
+  made_of_numbers = hp.decay_rate_fn is None and not any(
+      isinstance(value, (jax.Array, jax.core.Tracer))
+      for value in (hp.decay_rate, hp.decay_offset, hp.beta2_cap))
+  if made_of_numbers or not beta2:
+    return True
+  return jnp.all(jnp.stack([jnp.isfinite(value) for value in beta2.values()]))

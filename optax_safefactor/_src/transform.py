@@ -97,7 +97,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     if not guarded:
       return state
     spike_window = None if hp.skip_spikes is None else int(hp.spike_window)
-    return counters.init_guarded(state, values, spike_window)
+    return counters.init_guarded(state, values, spike_window, schedules.CHECKED_HYPERPARAMS)
 
   def update_fn(updates, state, params=None, **extra_args):
     expected = counters.SkipNonfiniteState if guarded else AdafactorState
@@ -105,7 +105,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     inner = state.inner_state if guarded else state
     checks.check_counters(inner, ("count",))
     checks.check_has_momentum(inner.momentum, hp.momentum)
-    checks.check_has_compensation(inner.compensation, hp.param_rounding)
+    checks.check_has_compensation(inner.compensation, keeps_compensation, hp.param_rounding)
     if params is None and hp.needs_params:
       raise ValueError(
           "safefactor needs params in update(grads, state, params): this optimizer has "
@@ -187,7 +187,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     unit_order = [index for unit in units for index in unit.owned]
     finite_by_unit = flag_vector([packing.owned_rows(unit, finite) if unit.packed else finite
                                   for unit, (_, _, finite) in zip(units, first_half, strict=True)])
-    step_finite = xla_hints.computed_once([finite_by_unit]) if guarded else None
+    step_finite = (xla_hints.computed_once([finite_by_unit, step.hyperparams_finite])
+                   if guarded else None)
     leaf_finite = (finite_by_unit if unit_order == sorted(unit_order)
                    else finite_by_unit[np.argsort(unit_order)])
     spike, applied = None, step_finite
@@ -230,6 +231,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     return new_updates, guard.record_step(
         state, new_inner, leaf_finite, step_finite,
         max_consecutive=hp.max_consecutive_skips, checked=hp.checked, spike=spike,
+        hyperparams_finite=step.hyperparams_finite,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
