@@ -22,6 +22,9 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
     "sphinx.ext.mathjax",
+    # MathJax from the package (it sets mathjax_path to its own copy, which it writes into
+    # the site's _static/mathjax/): the maths is typeset without any request off the site.
+    "sphinx-mathjax-offline",
     "api_pages",
 ]
 
@@ -60,6 +63,11 @@ autosummary_generate = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+
+# The docstrings name arguments inside maths as \text{decay\_rate}: MathJax 3 reads the
+# escaped underscore in \text only with its textmacros package (shipped with it).
+mathjax3_config = {"loader": {"load": ["[tex]/textmacros"]},
+                   "tex": {"packages": {"[+]": ["textmacros"]}}}
 
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3

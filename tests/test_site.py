@@ -1,5 +1,6 @@
 """The built documentation site: a page per public name, no broken internal link, and pages
-that render in headless Chromium without a console error.
+that render in headless Chromium without a console error and without any request off the
+site, their maths typeset.
 
 Build the site first (`sphinx-build -W --keep-going -b html docs docs/_build/html`, with the
 `docs` extra); without it, or without Chromium (Debian's `chromium`) and playwright, these
@@ -24,9 +25,9 @@ SITE = ROOT / "docs" / "_build" / "html"
 SCREENSHOTS = ROOT / "docs" / "_build" / "screenshots"
 CHROMIUM = pathlib.Path("/usr/bin/chromium")
 REQUIRED = os.environ.get("OPTAX_SAFEFACTOR_SITE_REQUIRED") == "1"
-# The only resource a page may load from elsewhere: MathJax, on the pages whose docstrings
-# hold formulas. The test serves it as an empty script (this machine is offline).
-EXTERNAL_ALLOWED = ("https://cdn.jsdelivr.net/npm/mathjax@",)
+# What MathJax leaves in a page where it did not typeset: Sphinx writes inline maths between
+# these delimiters, display maths between the second pair.
+RAW_MATHS = ("\\(", "\\[")
 
 
 def _skip_or_fail(reason: str):
@@ -159,7 +160,13 @@ def browser(server, tmp_path_factory):
 
 
 def render(browser, server, path: str, screenshot: pathlib.Path) -> dict:
-  """Opens ``path`` of the site, screenshots it, and returns what went wrong on the way."""
+  """Opens ``path`` of the site, screenshots it, and returns what went wrong on the way.
+
+  Every request outside the site is refused and reported: a reader offline must see the
+  same page. ``problems["raw maths"]`` holds each line of the page's rendered text that still
+  shows a maths delimiter once MathJax (if the page loads it) has typeset the page, and the
+  text of each formula that still holds a backslash: TeX that MathJax did not read.
+  """
   problems = {"console": [], "page errors": [], "failed": [], "external": []}
   page = browser.new_page()
 
@@ -167,8 +174,6 @@ def render(browser, server, path: str, screenshot: pathlib.Path) -> dict:
     url = request_route.request.url
     if url.startswith(server):
       request_route.continue_()
-    elif url.startswith(EXTERNAL_ALLOWED):
-      request_route.fulfill(status=200, content_type="application/javascript", body="")
     else:
       problems["external"].append(url)
       request_route.abort()
@@ -181,6 +186,10 @@ def render(browser, server, path: str, screenshot: pathlib.Path) -> dict:
   page.on("response", lambda response: response.status >= 400 and problems["failed"].append(
       f"{response.status} {response.url}"))
   response = page.goto(f"{server}/{path}", wait_until="networkidle")
+  # MathJax typesets after the page has loaded; its startup promise settles when it is done.
+  page.evaluate("() => window.MathJax?.startup?.promise")
+  problems["raw maths"] = raw_maths(page.inner_text("body")) + [
+      " ".join(text.split()) for text in page.locator(".math").all_inner_texts() if "\\" in text]
   problems["status"] = response.status
   problems["title"] = page.title()
   problems["headings"] = page.locator("h1").all_inner_texts()
@@ -188,6 +197,17 @@ def render(browser, server, path: str, screenshot: pathlib.Path) -> dict:
   page.screenshot(path=str(screenshot), full_page=False)
   page.close()
   return problems
+
+
+def raw_maths(text: str) -> list[str]:
+  """The lines of a page's rendered text that show a maths delimiter, not typeset maths."""
+  return [line for line in text.splitlines() if any(mark in line for mark in RAW_MATHS)]
+
+
+def pages_with_maths(site: pathlib.Path) -> list[str]:
+  """The site's pages that hold maths, as paths relative to the site."""
+  return sorted(str(page.relative_to(site)) for page in site.rglob("*.html")
+                if 'class="math' in page.read_text(encoding="utf-8"))
 
 
 @pytest.mark.parametrize(("path", "heading"), [
@@ -200,9 +220,26 @@ def test_page_renders_without_errors(browser, server, path, heading):
   problems = render(browser, server, path, shot)
   assert problems["status"] == 200, problems
   assert [h.rstrip("¶#").strip() for h in problems["headings"]][:1] == [heading], problems
-  for kind in ("console", "page errors", "failed", "external"):
+  for kind in ("console", "page errors", "failed", "external", "raw maths"):
     assert not problems[kind], (kind, problems[kind])
   assert shot.stat().st_size > 10_000, "the screenshot is (nearly) blank"
+
+
+def test_maths_is_typeset_without_any_outside_request(browser, server, site):
+  pages = pages_with_maths(site)
+  # The docstrings with formulas: skip_spikes' rule, the presets' decay rates.
+  assert {"api/safefactor.html", "api/presets.html"} <= set(pages), pages
+  for path in pages:
+    shot = SCREENSHOTS / f"maths_{path.replace('/', '_').removesuffix('.html')}.png"
+    problems = render(browser, server, path, shot)
+    for kind in ("raw maths", "external", "failed", "console", "page errors"):
+      assert not problems[kind], (path, kind, problems[kind])
+
+
+def test_raw_maths_finds_untypeset_delimiters():
+  assert raw_maths("a\nthe rate \\(\\beta_2\\) decays\n\\[x\\]") == [
+      "the rate \\(\\beta_2\\) decays", "\\[x\\]"]
+  assert raw_maths("typeset: β₂ = 1 - t^-0.8, and f(x)") == []
 
 
 def test_render_reports_a_missing_page_and_a_console_error(browser, server, site, tmp_path):
