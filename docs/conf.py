@@ -26,6 +26,7 @@ extensions = [
     # the site's _static/mathjax/): the maths is typeset without any request off the site.
     "sphinx-mathjax-offline",
     "api_pages",
+    "figures",
 ]
 
 # The built site, the generated API pages and the notebooks' copies (below) are outputs.
@@ -82,7 +83,8 @@ nb_merge_streams = True
 
 html_theme = "furo"
 html_title = "optax_safefactor"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_show_sourcelink = False
 html_copy_source = False
 html_last_updated_fmt = None

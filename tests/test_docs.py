@@ -1,12 +1,17 @@
 """The site's sources: API pages for every public name, plots and inventories up to date.
 
-These run without Sphinx (the `docs` extra); tests/test_site.py checks the built site.
+These run without Sphinx (the `docs` extra), but for the tests of the site's extensions that
+use it, which skip without it; tests/test_site.py checks the built site.
 """
 
 import importlib.util
 import pathlib
 import sys
 import types
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
 import optax_safefactor
 
@@ -103,3 +108,21 @@ def test_the_inventories_are_written_from_their_list():
     shipped = (ROOT / "docs" / "_inventories" / f"{project}.inv").read_bytes()
     assert shipped == write_inventories.inventory(project, version, entries), (
         f"{project}.inv is stale: run python docs/_inventories/write_inventories.py")
+
+
+def test_only_images_wider_than_the_content_column_fill_it(tmp_path):
+  pytest.importorskip("sphinx")
+  from docutils import nodes, utils
+
+  figures = _load(ROOT / "docs" / "_ext" / "figures.py")
+  doctree = utils.new_document("page")
+  widths = {"wide.png": figures.CONTENT_WIDTH_PX + 1, "narrow.png": figures.CONTENT_WIDTH_PX,
+            "sized.png": 2000}
+  for name, width in widths.items():
+    plt.imsave(tmp_path / name, np.zeros((2, width, 3)))
+    doctree += nodes.image(uri=name, candidates={"*": name})
+  doctree[-1]["width"] = "50%"  # sized.png: the page sets its width
+  doctree += nodes.image(uri="https://example.org/remote.png", candidates={"?": "remote"})
+  assert figures.fill_content_width(doctree, tmp_path) == ["wide.png"]
+  assert [image.get("width") for image in doctree.findall(nodes.image)] == [
+      "100%", None, "50%", None]

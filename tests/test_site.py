@@ -242,6 +242,53 @@ def test_raw_maths_finds_untypeset_delimiters():
   assert raw_maths("typeset: β₂ = 1 - t^-0.8, and f(x)") == []
 
 
+def overflowing_tables(page) -> list[str]:
+  """Each table of the open page that is wider than its container, as ``width > room``."""
+  return page.evaluate("""() => [...document.querySelectorAll('article table')]
+      .filter(table => table.scrollWidth > table.parentElement.clientWidth)
+      .map(table => `${table.scrollWidth}px > ${table.parentElement.clientWidth}px: ` +
+                    table.rows[0].innerText.replace(/\\s+/g, ' ').slice(0, 60))""")
+
+
+@pytest.fixture
+def front_page(browser, server):
+  """The front page in a 1280x800 window, as a laptop shows it."""
+  page = browser.new_page()
+  page.set_viewport_size({"width": 1280, "height": 800})
+  page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(server)
+             else route.abort())
+  page.goto(f"{server}/index.html", wait_until="networkidle")
+  yield page
+  page.close()
+
+
+def test_front_page_fits_a_1280_px_window(front_page):
+  assert front_page.locator("article table").count() >= 3
+  assert not overflowing_tables(front_page)
+  width, room = front_page.evaluate(
+      "() => [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+  assert width <= room, "the front page scrolls sideways"
+
+
+def test_overflowing_tables_finds_a_cut_table(front_page):
+  front_page.evaluate("""() => document.querySelector('article table').style.minWidth =
+                         '2000px'""")
+  [cut] = overflowing_tables(front_page)
+  assert cut.startswith("2000px > ") and "optimizer" in cut
+
+
+def test_front_page_figure_fills_the_content_width_and_links_to_its_file(front_page, site):
+  figure = front_page.locator("article img[src$='loss_curves.png']")
+  shown, room, natural = figure.evaluate("""image => [image.getBoundingClientRect().width,
+      image.closest('p, figure, div').clientWidth, image.naturalWidth]""")
+  # The paragraph's width less its padding (none in furo): the content column.
+  assert abs(shown - room) <= 1, (shown, room)
+  assert natural > shown
+  link = figure.evaluate("image => image.closest('a')?.getAttribute('href')")
+  assert link is not None, "the figure links to nothing"
+  assert (site / link).resolve() == (site / "_images" / "loss_curves.png").resolve()
+
+
 def test_render_reports_a_missing_page_and_a_console_error(browser, server, site, tmp_path):
   broken = site / "_test_broken_page.html"
   broken.write_text("<html><head><title>x</title></head><body><h1>x</h1>"
