@@ -27,6 +27,7 @@ extensions = [
     "sphinx-mathjax-offline",
     "api_pages",
     "figures",
+    "page_links",
 ]
 
 # The built site, the generated API pages and the notebooks' copies (below) are outputs.

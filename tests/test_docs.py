@@ -126,3 +126,46 @@ def test_only_images_wider_than_the_content_column_fill_it(tmp_path):
   assert figures.fill_content_width(doctree, tmp_path) == ["wide.png"]
   assert [image.get("width") for image in doctree.findall(nodes.image)] == [
       "100%", None, "50%", None]
+
+
+def test_page_paths_name_each_page_by_its_files(tmp_path):
+  pytest.importorskip("sphinx")
+  page_links = _load(ROOT / "docs" / "_ext" / "page_links.py")
+  docs = tmp_path / "docs"
+  (docs / "guides").mkdir(parents=True)
+  (docs / "notebooks").mkdir()
+  (docs / "guides" / "from_optax.md").write_text("# From optax\n")
+  (docs / "changelog.md").write_text("```{include} ../CHANGELOG.md\n```\n")
+  (docs / "notebooks" / "quickstart.ipynb").write_text("{}")
+  assert page_links.page_paths(docs, ["guides/from_optax", "changelog", "notebooks/quickstart",
+                                      "genindex"]) == {
+      "docs/guides/from_optax.md": "guides/from_optax", "docs/changelog.md": "changelog",
+      "CHANGELOG.md": "changelog", "notebooks/quickstart.ipynb": "notebooks/quickstart",
+      "quickstart.ipynb": "notebooks/quickstart", "notebooks/quickstart.py": "notebooks/quickstart"}
+
+
+def test_mentions_of_a_page_s_file_become_links_to_it():
+  pytest.importorskip("sphinx")
+  from docutils import nodes
+
+  page_links = _load(ROOT / "docs" / "_ext" / "page_links.py")
+  paths = {"docs/benchmarks.md": "benchmarks", "quickstart.ipynb": "notebooks/quickstart",
+           "docs/guides/low_precision.md": "guides/low_precision"}
+  paragraph = nodes.paragraph("", "", nodes.Text("see docs/benchmarks.md, and "),
+                              nodes.literal("", "quickstart.ipynb"),
+                              nodes.literal("", "jupytext --sync quickstart.ipynb"),
+                              nodes.Text(" olddocs/benchmarks.md docs/guides/low_precision.md"),
+                              nodes.reference("", "docs/benchmarks.md", refuri="x.html"))
+  section = nodes.section("", paragraph, nodes.literal_block("", "docs/benchmarks.md"))
+  linked = page_links.link_mentions(section, paths, "guides/low_precision",
+                                    lambda target: f"../{target}.html")
+  assert linked == 2
+  references = [(ref["refuri"], type(ref[0]).__name__, ref.astext())
+                for ref in section.findall(nodes.reference)]
+  assert references == [("../benchmarks.html", "Text", "docs/benchmarks.md"),
+                        ("../notebooks/quickstart.html", "literal", "quickstart.ipynb"),
+                        ("x.html", "Text", "docs/benchmarks.md")]
+  # The text around a link, the command line, the page's own path and the code block stay.
+  assert paragraph.astext() == ("see docs/benchmarks.md, and quickstart.ipynb"
+                                "jupytext --sync quickstart.ipynb olddocs/benchmarks.md "
+                                "docs/guides/low_precision.mddocs/benchmarks.md")

@@ -11,6 +11,7 @@ which turns those skips into failures. The screenshots go to docs/_build/screens
 import functools
 import html.parser
 import http.server
+import importlib.util
 import os
 import pathlib
 import threading
@@ -122,6 +123,117 @@ def test_broken_links_finds_a_missing_page_and_a_missing_anchor(tmp_path):
   (tmp_path / "b.html").write_text('<p id="there"></p>')
   assert broken_links(tmp_path) == ["a.html: b.html#nowhere (no such anchor)",
                                     "a.html: c.html"]
+
+
+@pytest.fixture(scope="module")
+def page_links():
+  """docs/_ext/page_links.py, which needs Sphinx (the docs extra)."""
+  try:
+    import sphinx  # noqa: F401
+  except ImportError:
+    _skip_or_fail("Sphinx is not installed (the docs extra)")
+  path = ROOT / "docs" / "_ext" / "page_links.py"
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+class _Mentions(html.parser.HTMLParser):
+  """The mentions of repository paths in a page's article, each with the link it is in.
+
+  A mention is a path as a word of prose, or as the whole of an inline code span; paths in
+  code blocks, and in longer code spans (command lines), are code, not mentions.
+  """
+
+  def __init__(self, pattern, paths):
+    super().__init__()
+    self.pattern, self.paths = pattern, paths
+    self.found = []  # (path, href of the innermost link around it, or None)
+    self._depth = {"article": 0, "pre": 0}
+    self._links, self._code = [], None
+
+  def handle_starttag(self, tag, attrs):
+    if tag in self._depth:
+      self._depth[tag] += 1
+    elif tag == "a":
+      self._links.append(dict(attrs).get("href"))
+    elif tag == "code" and self._code is None:
+      self._code = []
+
+  def handle_endtag(self, tag):
+    if tag in self._depth:
+      self._depth[tag] -= 1
+    elif tag == "a" and self._links:
+      self._links.pop()
+    elif tag == "code" and self._code is not None:
+      text, self._code = "".join(self._code).strip(), None
+      if text in self.paths and self._depth["article"]:
+        self.found.append((text, self._links[-1] if self._links else None))
+
+  def handle_data(self, data):
+    if self._code is not None:
+      self._code.append(data)
+    elif self._depth["article"] and not self._depth["pre"]:
+      link = self._links[-1] if self._links else None
+      self.found += [(found[0], link) for found in self.pattern.finditer(data)]
+
+
+def unlinked_mentions(site: pathlib.Path, paths: dict[str, str], pattern) -> list[str]:
+  """Each mention, on a page of the site, of a path of a page without a link to that page.
+
+  ``paths`` maps a path to its page's name (``docs/benchmarks.md`` to ``benchmarks``); a
+  page's mention of its own path is not counted. Returned as ``page: path``.
+  """
+  unlinked = []
+  for page_path in sorted(site.rglob("*.html")):
+    mentions = _Mentions(pattern, paths)
+    mentions.feed(page_path.read_text(encoding="utf-8"))
+    for path, href in mentions.found:
+      target = (site / f"{paths[path]}.html").resolve()
+      if target == page_path.resolve():
+        continue
+      linked = href is not None and not urllib.parse.urlsplit(href).scheme and (
+          page_path.parent / urllib.parse.urlsplit(href).path).resolve() == target
+      if not linked:
+        unlinked.append(f"{page_path.relative_to(site)}: {path}")
+  return unlinked
+
+
+def _site_page_paths(site, page_links) -> dict[str, str]:
+  docnames = [str(page.relative_to(site).with_suffix("")) for page in site.rglob("*.html")]
+  return page_links.page_paths(ROOT / "docs", docnames)
+
+
+def test_every_mention_of_a_page_s_file_links_to_the_page(site, page_links):
+  paths = _site_page_paths(site, page_links)
+  # Among them, the ones the README, the guides and the docstrings name.
+  for path, page in [("docs/benchmarks.md", "benchmarks"),
+                     ("quickstart.ipynb", "notebooks/quickstart"),
+                     ("notebooks/quickstart.ipynb", "notebooks/quickstart"),
+                     ("docs/guides/from_optax.md", "guides/from_optax"),
+                     ("CHANGELOG.md", "changelog"), ("README.md", "index")]:
+    assert paths.get(path) == page, (path, paths.get(path))
+  unlinked = unlinked_mentions(site, paths, page_links.mention_pattern(paths))
+  assert not unlinked, "mentions without a link to their page:\n" + "\n".join(unlinked)
+
+
+def test_unlinked_mentions_finds_a_path_in_prose_and_in_code(tmp_path, page_links):
+  paths = {"docs/benchmarks.md": "benchmarks", "quickstart.ipynb": "notebooks/quickstart"}
+  (tmp_path / "notebooks").mkdir()
+  for name in ("benchmarks.html", "notebooks/quickstart.html"):
+    (tmp_path / name).write_text("<article><h1>x</h1></article>")
+  (tmp_path / "index.html").write_text(
+      '<nav>docs/benchmarks.md</nav><article>'
+      '<p>see docs/benchmarks.md, and <code><span>quickstart.ipynb</span></code></p>'
+      '<p><a href="benchmarks.html"><code>docs/benchmarks.md</code></a>, '
+      '<a href="notebooks/quickstart.html">quickstart.ipynb</a></p>'
+      '<p><a href="other.html">quickstart.ipynb</a>, <code>jupytext quickstart.ipynb</code>, '
+      'olddocs/benchmarks.md</p><pre>docs/benchmarks.md</pre></article>')
+  pattern = page_links.mention_pattern(paths)
+  assert unlinked_mentions(tmp_path, paths, pattern) == [
+      "index.html: docs/benchmarks.md", "index.html: quickstart.ipynb",
+      "index.html: quickstart.ipynb"]
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
