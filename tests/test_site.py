@@ -14,6 +14,7 @@ import http.server
 import importlib.util
 import os
 import pathlib
+import re
 import threading
 import urllib.parse
 
@@ -234,6 +235,41 @@ def test_unlinked_mentions_finds_a_path_in_prose_and_in_code(tmp_path, page_link
   assert unlinked_mentions(tmp_path, paths, pattern) == [
       "index.html: docs/benchmarks.md", "index.html: quickstart.ipynb",
       "index.html: quickstart.ipynb"]
+
+
+class _SidebarLinks(html.parser.HTMLParser):
+  """The links of a page's navigation sidebar (furo's ``sidebar-tree``), in order."""
+
+  def __init__(self):
+    super().__init__()
+    self.links, self._depth = [], 0
+
+  def handle_starttag(self, tag, attrs):
+    attrs = dict(attrs)
+    if self._depth or (tag == "div" and "sidebar-tree" in (attrs.get("class") or "").split()):
+      self._depth += tag == "div"
+      if tag == "a" and attrs.get("href"):
+        self.links.append(attrs["href"])
+
+  def handle_endtag(self, tag):
+    if self._depth and tag == "div":
+      self._depth -= 1
+
+
+def sidebar_links(page: pathlib.Path) -> list[str]:
+  parser = _SidebarLinks()
+  parser.feed(page.read_text(encoding="utf-8"))
+  return parser.links
+
+
+def test_sidebar_lists_the_guides_in_the_readme_s_order(site):
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  in_readme = list(dict.fromkeys(re.findall(r"\]\(docs/(guides/[\w-]+)\.md[)#]", readme)))
+  in_sidebar = [link.removesuffix(".html") for link in sidebar_links(site / "index.html")
+                if link.startswith("guides/")]
+  # The guide most readers come for first: switching from optax.adafactor.
+  assert in_sidebar[:1] == ["guides/from_optax"], in_sidebar
+  assert in_sidebar == in_readme
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
