@@ -22,7 +22,12 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
     "sphinx.ext.mathjax",
+    # MathJax from the package (it sets mathjax_path to its own copy, which it writes into
+    # the site's _static/mathjax/): the maths is typeset without any request off the site.
+    "sphinx-mathjax-offline",
     "api_pages",
+    "figures",
+    "page_links",
 ]
 
 # The built site, the generated API pages and the notebooks' copies (below) are outputs.
@@ -61,6 +66,11 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
+# The docstrings name arguments inside maths as \text{decay\_rate}: MathJax 3 reads the
+# escaped underscore in \text only with its textmacros package (shipped with it).
+mathjax3_config = {"loader": {"load": ["[tex]/textmacros"]},
+                   "tex": {"packages": {"[+]": ["textmacros"]}}}
+
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3
 
@@ -74,7 +84,8 @@ nb_merge_streams = True
 
 html_theme = "furo"
 html_title = "optax_safefactor"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_show_sourcelink = False
 html_copy_source = False
 html_last_updated_fmt = None

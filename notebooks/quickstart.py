@@ -110,8 +110,14 @@ optax_losses, _ = train(optax.adafactor(learning_rate=0.05), jnp.float16)
 print(f"safefactor final loss:      {safe_losses[-1]:.4f}")
 print(f"optax.adafactor final loss: {optax_losses[-1]:.4f}")
 
-plt.plot(safe_losses, label="safefactor")
-plt.plot(optax_losses, "--", label="optax.adafactor")
+# A NaN ends a line, and optax's loss turns NaN after its first step: its finite steps get
+# markers (a lone point draws no line), drawn over safefactor's curve, which starts at the
+# same loss, and a dotted line marks its first NaN.
+plt.plot(safe_losses, color="C0", label="safefactor")
+plt.plot(optax_losses, "o--", color="C3", markersize=7, label="optax.adafactor")
+nan_steps = np.flatnonzero(~np.isfinite(optax_losses))
+if nan_steps.size:
+    plt.axvline(nan_steps[0], color="C3", linestyle=":", label="optax.adafactor: NaN from here")
 plt.yscale("log")
 plt.xlabel("step")
 plt.ylabel("training loss")
@@ -120,8 +126,9 @@ plt.legend()
 plt.show()
 
 # %% [markdown]
-# optax's curve stops at once: its loss is NaN from the second step. safefactor keeps its
-# statistics in float32, starts them at an epsilon floor and floors every rsqrt.
+# optax's curve is a single point: its loss is NaN from the second step on (the dotted
+# line). safefactor keeps its statistics in float32, starts them at an epsilon floor and
+# floors every rsqrt.
 #
 # safefactor's loss jumps after the first step (from about 0.66 to about 9) before it falls.
 # That is Adafactor's first step, not a fault: its second-moment decay starts at

@@ -1,12 +1,17 @@
 """The site's sources: API pages for every public name, plots and inventories up to date.
 
-These run without Sphinx (the `docs` extra); tests/test_site.py checks the built site.
+These run without Sphinx (the `docs` extra), but for the tests of the site's extensions that
+use it, which skip without it; tests/test_site.py checks the built site.
 """
 
 import importlib.util
 import pathlib
 import sys
 import types
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
 import optax_safefactor
 
@@ -103,3 +108,64 @@ def test_the_inventories_are_written_from_their_list():
     shipped = (ROOT / "docs" / "_inventories" / f"{project}.inv").read_bytes()
     assert shipped == write_inventories.inventory(project, version, entries), (
         f"{project}.inv is stale: run python docs/_inventories/write_inventories.py")
+
+
+def test_only_images_wider_than_the_content_column_fill_it(tmp_path):
+  pytest.importorskip("sphinx")
+  from docutils import nodes, utils
+
+  figures = _load(ROOT / "docs" / "_ext" / "figures.py")
+  doctree = utils.new_document("page")
+  widths = {"wide.png": figures.CONTENT_WIDTH_PX + 1, "narrow.png": figures.CONTENT_WIDTH_PX,
+            "sized.png": 2000}
+  for name, width in widths.items():
+    plt.imsave(tmp_path / name, np.zeros((2, width, 3)))
+    doctree += nodes.image(uri=name, candidates={"*": name})
+  doctree[-1]["width"] = "50%"  # sized.png: the page sets its width
+  doctree += nodes.image(uri="https://example.org/remote.png", candidates={"?": "remote"})
+  assert figures.fill_content_width(doctree, tmp_path) == ["wide.png"]
+  assert [image.get("width") for image in doctree.findall(nodes.image)] == [
+      "100%", None, "50%", None]
+
+
+def test_page_paths_name_each_page_by_its_files(tmp_path):
+  pytest.importorskip("sphinx")
+  page_links = _load(ROOT / "docs" / "_ext" / "page_links.py")
+  docs = tmp_path / "docs"
+  (docs / "guides").mkdir(parents=True)
+  (docs / "notebooks").mkdir()
+  (docs / "guides" / "from_optax.md").write_text("# From optax\n")
+  (docs / "changelog.md").write_text("```{include} ../CHANGELOG.md\n```\n")
+  (docs / "notebooks" / "quickstart.ipynb").write_text("{}")
+  assert page_links.page_paths(docs, ["guides/from_optax", "changelog", "notebooks/quickstart",
+                                      "genindex"]) == {
+      "docs/guides/from_optax.md": "guides/from_optax", "docs/changelog.md": "changelog",
+      "CHANGELOG.md": "changelog", "notebooks/quickstart.ipynb": "notebooks/quickstart",
+      "quickstart.ipynb": "notebooks/quickstart", "notebooks/quickstart.py": "notebooks/quickstart"}
+
+
+def test_mentions_of_a_page_s_file_become_links_to_it():
+  pytest.importorskip("sphinx")
+  from docutils import nodes
+
+  page_links = _load(ROOT / "docs" / "_ext" / "page_links.py")
+  paths = {"docs/benchmarks.md": "benchmarks", "quickstart.ipynb": "notebooks/quickstart",
+           "docs/guides/low_precision.md": "guides/low_precision"}
+  paragraph = nodes.paragraph("", "", nodes.Text("see docs/benchmarks.md, and "),
+                              nodes.literal("", "quickstart.ipynb"),
+                              nodes.literal("", "jupytext --sync quickstart.ipynb"),
+                              nodes.Text(" olddocs/benchmarks.md docs/guides/low_precision.md"),
+                              nodes.reference("", "docs/benchmarks.md", refuri="x.html"))
+  section = nodes.section("", paragraph, nodes.literal_block("", "docs/benchmarks.md"))
+  linked = page_links.link_mentions(section, paths, "guides/low_precision",
+                                    lambda target: f"../{target}.html")
+  assert linked == 2
+  references = [(ref["refuri"], type(ref[0]).__name__, ref.astext())
+                for ref in section.findall(nodes.reference)]
+  assert references == [("../benchmarks.html", "Text", "docs/benchmarks.md"),
+                        ("../notebooks/quickstart.html", "literal", "quickstart.ipynb"),
+                        ("x.html", "Text", "docs/benchmarks.md")]
+  # The text around a link, the command line, the page's own path and the code block stay.
+  assert paragraph.astext() == ("see docs/benchmarks.md, and quickstart.ipynb"
+                                "jupytext --sync quickstart.ipynb olddocs/benchmarks.md "
+                                "docs/guides/low_precision.mddocs/benchmarks.md")

@@ -1,6 +1,7 @@
 """The notebooks run top to bottom, are committed without outputs, and match their text form."""
 
 import importlib.util
+import inspect
 import os
 import pathlib
 import subprocess
@@ -29,14 +30,81 @@ def test_committed_without_outputs_and_paired(path):
       f"{path.name} and {path.with_suffix('.py').name} differ: run jupytext --sync")
 
 
+def curves_not_seen():
+  """The legend entries of the open figures whose curve changes no pixel of the figure.
+
+  Such a curve draws nothing (a single finite point without a marker, say) or lies under
+  curves drawn after it. Runs in the notebook's kernel, after its cells.
+  """
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  def pixels(figure):
+    figure.canvas.draw()
+    return np.asarray(figure.canvas.buffer_rgba()).copy()
+
+  not_seen = []
+  for number in plt.get_fignums():
+    figure = plt.figure(number)
+    legends = [axes.get_legend() for axes in figure.axes if axes.get_legend()]
+    for legend in legends:  # a legend shows each entry's line style even with no curve
+      legend.set_visible(False)
+    everything = pixels(figure)
+    for axes in figure.axes:
+      for line in axes.get_lines():
+        if line.get_label().startswith("_"):
+          continue
+        line.set_visible(False)
+        if np.array_equal(pixels(figure), everything):
+          not_seen.append(f"{axes.get_title()}: {line.get_label()}")
+        line.set_visible(True)
+    for legend in legends:
+      legend.set_visible(True)
+  return not_seen
+
+
+def _with_figure_check(notebook):
+  """The notebook with a first cell that keeps its figures open and a last that checks them."""
+  checked = nbformat.from_dict(notebook)
+  keep_figures = ("from matplotlib_inline.backend_inline import InlineBackend\n"
+                  "InlineBackend.instance().close_figures = False")
+  check = (inspect.getsource(curves_not_seen) + "\n"
+           "not_seen = curves_not_seen()\n"
+           "assert not not_seen, f'legend entries without a visible curve: {not_seen}'")
+  checked.cells = [nbformat.v4.new_code_cell(keep_figures), *checked.cells,
+                   nbformat.v4.new_code_cell(check)]
+  return checked
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
-  notebook = nbformat.read(path, as_version=4)
+  # Each legend entry of its plots must have a curve one can see (the last, added cell).
+  notebook = _with_figure_check(nbformat.read(path, as_version=4))
   NotebookClient(notebook, timeout=300, kernel_name="python3",
                  resources={"metadata": {"path": str(path.parent)}}).execute()
   errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
             if output.get("output_type") == "error"]
-  assert not errors
+  assert not errors, [f"{error['ename']}: {error['evalue']}" for error in errors]
+
+
+def test_curves_not_seen_finds_a_lone_point_and_a_covered_curve():
+  import matplotlib
+
+  matplotlib.use("agg")
+  import matplotlib.pyplot as plt
+
+  plt.close("all")
+  try:
+    plt.plot([1.0, 2.0, 3.0], label="seen")
+    plt.plot([1.0, float("nan"), float("nan")], "--", label="one point, no marker")
+    plt.plot([1.0, float("nan"), float("nan")], "x", label="one point, a marker")
+    plt.plot([3.0, 2.0, 1.0], color="C4", label="covered")
+    plt.plot([3.0, 2.0, 1.0], color="C5", linewidth=4, label="on top")
+    plt.title("t")
+    plt.legend()
+    assert curves_not_seen() == ["t: one point, no marker", "t: covered"]
+  finally:
+    plt.close("all")
 
 
 def _install_cell():
