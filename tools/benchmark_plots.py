@@ -1,10 +1,13 @@
 """The performance guide's plots, drawn from the tables of docs/benchmarks.md.
 
-Reads the "Every tree" table (step time and compile time of safefactor against
-``optax.adafactor``) and the low-precision table (each write-back mode against
-``"nearest"``), and writes two PNGs into docs/guides/. Each PNG carries the numbers it was
-drawn from in a text chunk (``Numbers``), so tests/test_docs.py can check that the plots
-committed are those of the tables as they stand.
+Reads the current part of the page (everything above its "History"): the step table of
+``python -m optax_safefactor bench`` (step time of safefactor and its variants against
+``optax.adafactor``) and the write-back modes' table (each mode against ``"nearest"``), and
+writes two PNGs into docs/guides/. Compile time is left out of the plot: the bench compiles
+each step once, and the page's fresh-process pairs are its compile-time figures. Each PNG
+carries the numbers it was drawn from in a text chunk (``Numbers``), so tests/test_docs.py
+can check that the plots committed are those of the tables as they stand. Each title names
+the heading of its table: the date and the machine.
 
     python tools/benchmark_plots.py
 """
@@ -19,9 +22,19 @@ import zlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+STEP_HEADER = "| tree | dtype | config | optimizer | step (min / median / max)"
+ROUNDING_HEADER = "| tree | config | mode | step (min / median / max)"
 STEP_PLOT = ROOT / "docs" / "guides" / "performance_step_time.png"
 ROUNDING_PLOT = ROOT / "docs" / "guides" / "performance_write_back.png"
-OPTIMIZERS = ("safefactor", "safefactor, guard off")
+OPTIMIZERS = ("safefactor", "safefactor, guard off", "safefactor, unpacked",
+              "safefactor, spikes")
+# The heading of the page's superseded measurements; the plots show only what is above it.
+HISTORY = "\n## History\n"
+
+
+def current(text: str) -> str:
+  """The page without its "History" part: the current tables only."""
+  return text.split(HISTORY, 1)[0]
 
 
 def _table(text: str, header: str) -> list[list[str]]:
@@ -36,31 +49,37 @@ def _table(text: str, header: str) -> list[list[str]]:
   return rows
 
 
+def heading_of(text: str, header: str) -> str:
+  """The heading above the table whose header line starts with ``header`` (its date and machine)."""
+  before = text[:text.index("\n" + header)]
+  return next(line.lstrip("#").strip() for line in reversed(before.splitlines())
+              if line.startswith("#"))
+
+
 def _median(cell: str) -> float:
   """The median of a ``min / median / max`` cell such as ``0.64 / 0.78 / 0.95x``."""
   return float(cell.rstrip("x").split("/")[1])
 
 
 def step_numbers(text: str) -> dict[str, dict[str, list[float]]]:
-  """Per optimizer, the median step time and the compile time against optax, in table order.
+  """Per optimizer, the median step time against optax, in table order.
 
-  The keys of each are ``labels`` (tree, dtype, config), ``step`` and ``compile``.
+  The keys of each are ``labels`` (tree, dtype, config) and ``step``.
   """
-  rows = _table(text, "| tree | dtype | config | optimizer | step (min / median / max)")
+  rows = _table(current(text), STEP_HEADER)
   numbers = {}
   for optimizer in OPTIMIZERS:
     chosen = [row for row in rows if row[3] == optimizer]
     numbers[optimizer] = {
         "labels": [f"{re.sub(r' [(].*', '', row[0])} {row[1]} {row[2]}" for row in chosen],
         "step": [_median(row[4]) for row in chosen],
-        "compile": [float(row[5].rstrip("x")) for row in chosen],
     }
   return numbers
 
 
 def rounding_numbers(text: str) -> dict[str, list]:
   """The write-back modes' median step time against ``"nearest"``, per tree and config."""
-  rows = _table(text, "| tree | config | mode | step (min / median / max)")
+  rows = _table(current(text), ROUNDING_HEADER)
   labels = list(dict.fromkeys(f"{re.sub(r' [(].*', '', row[0])} {row[1]}" for row in rows))
   numbers = {"labels": labels}
   for mode in ("stochastic", "kahan"):
@@ -102,16 +121,14 @@ def draw() -> None:
   import matplotlib.pyplot as plt
 
   text = BENCHMARKS.read_text()
-  machine = "2-core AMD EPYC CPU, jax 0.10.2, optax 0.2.8 (docs/benchmarks.md)"
+  versions = "jax 0.10.2, optax 0.2.8 (docs/benchmarks.md)"
 
   steps = step_numbers(text)
   labels = steps["safefactor"]["labels"]
-  figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8.5), sharex=True)
-  _bars(top, labels, {name: steps[name]["step"] for name in OPTIMIZERS},
-        "Step time, median of 5 rounds, against optax.adafactor (dashed)", "ratio")
-  _bars(bottom, labels, {name: steps[name]["compile"] for name in OPTIMIZERS},
-        "Compile time, one compilation each, against optax.adafactor (dashed)", "ratio")
-  figure.suptitle(machine, fontsize=9)
+  figure, axes = plt.subplots(figsize=(8, 4.5))
+  _bars(axes, labels, {name: steps[name]["step"] for name in OPTIMIZERS},
+        "Step time against optax.adafactor (dashed)", "ratio, median of 5 rounds")
+  figure.suptitle(f"{heading_of(current(text), STEP_HEADER)}\n{versions}", fontsize=9)
   figure.tight_layout()
   figure.savefig(STEP_PLOT, dpi=80, metadata={"Numbers": json.dumps(steps)})
   plt.close(figure)
@@ -120,7 +137,7 @@ def draw() -> None:
   figure, axes = plt.subplots(figsize=(7, 4))
   _bars(axes, modes["labels"], {mode: modes[mode] for mode in ("stochastic", "kahan")},
         'bfloat16 params: step time against "nearest" (dashed)', "ratio, median of 5 rounds")
-  figure.suptitle(machine, fontsize=9)
+  figure.suptitle(f"{heading_of(current(text), ROUNDING_HEADER)}\n{versions}", fontsize=9)
   figure.tight_layout()
   figure.savefig(ROUNDING_PLOT, dpi=80, metadata={"Numbers": json.dumps(modes)})
   plt.close(figure)
