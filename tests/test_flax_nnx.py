@@ -1,5 +1,7 @@
 """Flax NNX: nnx.Optimizer over partitioned params on a mesh (test_ecosystems.py: the rest)."""
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -29,14 +31,45 @@ class MLP(nnx.Module):
     return self.down(hidden, out_sharding=P() if self.explicit else None)
 
 
-@nnx.jit
-def _train_step(model, optimizer, inputs, targets):
+def _loss_and_update(model, optimizer, inputs, targets):
   def loss_fn(model):
     return jnp.mean((model(inputs) - targets) ** 2)
 
   loss, grads = nnx.value_and_grad(loss_fn)(model)
   optimizer.update(model, grads)
   return loss
+
+
+_train_step = nnx.jit(_loss_and_update)
+
+
+def _keep_shardings(*nodes):
+  """Constrains the nodes' state to their annotations' specs (none: replicated)."""
+  state = nnx.state(nodes)
+  nnx.update(nodes, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+
+
+@nnx.jit
+def _pinned_train_step(model, optimizer, inputs, targets):
+  loss = _loss_and_update(model, optimizer, inputs, targets)
+  _keep_shardings(model, optimizer)
+  return loss
+
+
+@contextlib.contextmanager
+def _compilations():
+  """The names of the programs XLA compiles inside the block, one entry per compilation."""
+  names = []
+
+  def record(event, seconds, fun_name="", **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(fun_name)
+
+  jax.monitoring.register_event_duration_secs_listener(record)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(record)
 
 
 STEPS = 8
@@ -97,3 +130,22 @@ def test_nnx_optimizer_over_partitioned_params(axis_type):
   assert losses[-1] < 0.7 * losses[0]
   # Sharded sums add in another order: equal to float32 rounding, not bit for bit.
   _assert_matches_plain_loop(model, osf.safefactor(1e-2, momentum=0.9), rtol=1e-5)
+
+
+def test_an_auto_mode_step_that_pins_the_state_compiles_once_and_keeps_it():
+  # In Auto mode XLA's propagation places the step's outputs: it shards up's replicated bias
+  # over "model", its statistics follow, and a step that hands them back so compiles again
+  # on the second call (the sharding guide's set-up; the jaxpr is traced once either way).
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  inputs, targets = _data()
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0), partitioned=True)
+    optimizer = nnx.Optimizer(model, osf.safefactor(1e-2, momentum=0.9), wrt=nnx.Param)
+    placed = [leaf.sharding for leaf in jax.tree.leaves(nnx.state((model, optimizer)))]
+    with _compilations() as compiled:
+      for _ in range(3):
+        _pinned_train_step(model, optimizer, inputs, targets)
+  assert compiled.count("jit(_pinned_train_step)") == 1, compiled
+  kept = jax.tree.leaves(nnx.state((model, optimizer)))
+  for leaf, sharding in zip(kept, placed, strict=True):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding)
