@@ -15,6 +15,35 @@ import optax
 
 import optax_safefactor as osf
 
+# The lists that compilations() blocks are filling; the listener is registered once, as JAX
+# 0.7.1 (the core floor) has no public way to unregister one.
+_COMPILATION_RECORDS: list[list[str]] = []
+
+
+def _record_compilation(event: str, seconds: float, fun_name: str = "", **kwargs) -> None:
+  del seconds, kwargs
+  if event == "/jax/core/compile/backend_compile_duration":
+    for names in _COMPILATION_RECORDS:
+      names.append(fun_name)
+
+
+@contextlib.contextmanager
+def compilations():
+  """The names of the programs XLA compiles inside the block, one entry per compilation.
+
+  Counting traces misses a step traced once and compiled again for inputs placed
+  elsewhere (Auto mode hands outputs back where XLA chose to put them).
+  """
+  if not getattr(_record_compilation, "registered", False):
+    jax.monitoring.register_event_duration_secs_listener(_record_compilation)
+    _record_compilation.registered = True
+  names: list[str] = []
+  _COMPILATION_RECORDS.append(names)
+  try:
+    yield names
+  finally:
+    _COMPILATION_RECORDS.remove(names)
+
 
 def random_tree(rng: np.random.Generator, shapes: dict, dtype=jnp.float32, scale=1.0) -> dict:
   return {

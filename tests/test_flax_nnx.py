@@ -1,6 +1,5 @@
 """Flax NNX: nnx.Optimizer over partitioned params on a mesh (test_ecosystems.py: the rest)."""
 
-import contextlib
 
 import chex
 import jax
@@ -8,11 +7,11 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from tests.helpers import trained_by_plain_loop
+from tests.helpers import compilations, trained_by_plain_loop
 
 
 class MLP(nnx.Module):
@@ -54,22 +53,6 @@ def _pinned_train_step(model, optimizer, inputs, targets):
   loss = _loss_and_update(model, optimizer, inputs, targets)
   _keep_shardings(model, optimizer)
   return loss
-
-
-@contextlib.contextmanager
-def _compilations():
-  """The names of the programs XLA compiles inside the block, one entry per compilation."""
-  names = []
-
-  def record(event, seconds, fun_name="", **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      names.append(fun_name)
-
-  jax.monitoring.register_event_duration_secs_listener(record)
-  try:
-    yield names
-  finally:
-    jax.monitoring.unregister_event_duration_listener(record)
 
 
 STEPS = 8
@@ -142,10 +125,29 @@ def test_an_auto_mode_step_that_pins_the_state_compiles_once_and_keeps_it():
     model = MLP(nnx.Rngs(0), partitioned=True)
     optimizer = nnx.Optimizer(model, osf.safefactor(1e-2, momentum=0.9), wrt=nnx.Param)
     placed = [leaf.sharding for leaf in jax.tree.leaves(nnx.state((model, optimizer)))]
-    with _compilations() as compiled:
+    with compilations() as compiled:
       for _ in range(3):
         _pinned_train_step(model, optimizer, inputs, targets)
   assert compiled.count("jit(_pinned_train_step)") == 1, compiled
   kept = jax.tree.leaves(nnx.state((model, optimizer)))
   for leaf, sharding in zip(kept, placed, strict=True):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding)
+
+
+def test_state_partition_specs_of_nnx_params_are_where_init_places_the_state():
+  # 0.2 gave P() for the factored statistics of nnx.Param leaves (a factored moment holds
+  # two boxes where its param is one), while init placed them by the param's axes.
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  tx = osf.safefactor(1e-2, momentum=0.9)
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0), partitioned=True)
+    params = nnx.state(model, nnx.Param)
+    placed = jax.tree.leaves(tx.init(params))
+    for specs in (osf.state_partition_specs(tx, params),
+                  osf.state_partition_specs(tx, params, nnx.get_partition_spec(params))):
+      specs = jax.tree.leaves(specs)
+      assert len(specs) == len(placed)
+      for leaf, spec in zip(placed, specs, strict=True):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (
+            leaf.shape, leaf.sharding.spec, spec)
+      assert any(spec != P() for spec in specs if len(spec) == 2)

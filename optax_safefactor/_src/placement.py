@@ -182,8 +182,10 @@ def leaf_placement(param: Any) -> LeafPlacement:
 
 
 def _matches_params(params: Any, subtree: Any) -> bool:
+  """Whether ``subtree`` holds a part per param (a flax box is one param, whatever the
+  part for it holds: a factored moment of boxes has two arrays where the param has one)."""
   try:
-    jax.tree.map(lambda *_: None, params, subtree)
+    jax.tree.map(lambda *_: None, params, subtree, is_leaf=is_box)
   except (ValueError, TypeError):
     return False
   return True
@@ -227,14 +229,17 @@ def state_partition_specs(
     ValueError: naming the param, when ``param_specs`` does not hold one
       ``PartitionSpec`` per param.
   """
+  # A flax box (nnx.Param, linen Partitioned) is one param; a spec may come boxed too
+  # (nnx.get_partition_spec gives each spec in its Param).
   if param_specs is None:
     def spec_of(param):
-      sharding = getattr(param, "sharding", None)
+      sharding = getattr(unbox(param), "sharding", None)
       return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
-    param_specs = jax.tree.map(spec_of, params)
+    param_specs = jax.tree.map(spec_of, params, is_leaf=is_box)
   trees.check_prefix_of(param_specs, params, "param_specs")
-  if jax.tree.structure(param_specs) != jax.tree.structure(params):
+  if jax.tree.structure(param_specs, is_leaf=is_box) != jax.tree.structure(params,
+                                                                           is_leaf=is_box):
     raise ValueError("param_specs must hold one PartitionSpec per param, shaped like params; "
                      f"got {jax.tree.structure(param_specs)}")
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
@@ -244,9 +249,9 @@ def state_partition_specs(
     if _matches_params(params, subtree):
       return jax.tree.map(
           lambda param, spec, part: jax.tree.map(
-              lambda leaf: state_spec(spec, param.shape, leaf.shape), part
+              lambda leaf: state_spec(unbox(spec), unbox(param).shape, leaf.shape), part
           ),
-          params, param_specs, subtree,
+          params, param_specs, subtree, is_leaf=is_box,
       )
     children, treedef = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:
