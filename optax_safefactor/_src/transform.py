@@ -187,7 +187,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     unit_order = [index for unit in units for index in unit.owned]
     finite_by_unit = flag_vector([packing.owned_rows(unit, finite) if unit.packed else finite
                                   for unit, (_, _, finite) in zip(units, first_half, strict=True)])
-    step_finite = (xla_hints.computed_once([finite_by_unit, step.hyperparams_finite])
+    step_finite = (xla_hints.computed_once([finite_by_unit, *step.traced_flags()])
                    if guarded else None)
     leaf_finite = (finite_by_unit if unit_order == sorted(unit_order)
                    else finite_by_unit[np.argsort(unit_order)])
@@ -231,7 +231,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     return new_updates, guard.record_step(
         state, new_inner, leaf_finite, step_finite,
         max_consecutive=hp.max_consecutive_skips, checked=hp.checked, spike=spike,
-        hyperparams_finite=step.hyperparams_finite,
+        hyperparams_finite=step.flag_vector(),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
