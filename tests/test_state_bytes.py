@@ -20,7 +20,9 @@ from tests.reference import reference_plan
 SHAPES = [(256, 130), (130, 256), (3, 130, 140), (100, 300), (5, 7), (300,), ()] * 5 + [
     (128, 128), (129, 128), (7,), (1, 1), (2, 3)]
 PER_LEAF_COUNTERS = 2 * 4  # nonfinite_steps and last_nonfinite_step, int32
-SCALARS_ALLOWED = 64       # count, skipped_steps, consecutive_skips, step, ... (16 int32)
+# count, skipped_steps, consecutive_skips, step, ... (16 int32), and the two counters of
+# each of the 8 hyperparameters the guard checks (16 int32).
+SCALARS_ALLOWED = 128
 
 
 def _minimum_bytes(params, momentum):

@@ -45,14 +45,15 @@ def _convert_counters(opt_state: Any, convert_counts, convert_hyperparams) -> An
   return jax.tree.map(convert, opt_state, is_leaf=_is_counters)
 
 
-def _hyperparam_counts(guard: SkipNonfiniteState) -> HyperparamCounts:
+def _hyperparam_counts(guard: SkipNonfiniteState) -> HyperparamCounts | None:
   """The guard's hyperparameter counts, none seen where 0.2 kept none: safefactor's
-  own guard checks its step's hyperparameters, ``skip_nonfinite`` the injected ones."""
+  own guard checks its step's hyperparameters, ``skip_nonfinite`` the injected ones
+  (``None`` where there are none, as ``init`` makes it)."""
   if isinstance(guard.nonfinite_hyperparams, HyperparamCounts):
     return guard.nonfinite_hyperparams
   names = (CHECKED_HYPERPARAMS if isinstance(guard.inner_state, AdafactorState)
            else tuple(injected_hyperparams(guard.inner_state)))
-  return HyperparamCounts.zeros(names)
+  return HyperparamCounts.zeros(names) if names else None
 
 
 def _to_vector(counts: Any) -> LeafCounts:

@@ -147,7 +147,8 @@ class SkipNonfiniteState(NamedTuple):
     nonfinite_hyperparams: per hyperparameter the guard checks (safefactor's learning
       rate, weight-decay rate and the other values its step reads; the values
       ``optax.inject_hyperparams`` holds inside :func:`skip_nonfinite`), in how many steps
-      it was non-finite and when last (a :class:`HyperparamCounts`). Such a step is
+      it was non-finite and when last (a :class:`HyperparamCounts`; ``None`` for a
+      guard that checks none, as orbax cannot save a zero-size array). Such a step is
       skipped and counted in ``skipped_steps`` and ``consecutive_skips``. Added in 0.3:
       :func:`migrate_from_0_2` fills it in an older state.
   """
@@ -223,8 +224,10 @@ def init_guarded(inner_state: Any, params: Any, spike_window: int | None = None,
   spike history of ``spike_window`` steps unless that is ``None``, and counts for the
   named ``hyperparams``."""
   spikes = None if spike_window is None else init_history(spike_window)
+  # None where no hyperparameter is checked: orbax cannot save a zero-size array.
   return SkipNonfiniteState(inner_state=inner_state, **_zero_counts(params), spikes=spikes,
-                            nonfinite_hyperparams=HyperparamCounts.zeros(hyperparams))
+                            nonfinite_hyperparams=(HyperparamCounts.zeros(hyperparams)
+                                                   if hyperparams else None))
 
 
 def init_micro_batch_counters(params: Any) -> MicroBatchCounters:

@@ -100,10 +100,13 @@ def injected_hyperparams(inner_state: Any) -> dict[str, jax.Array]:
   return found
 
 
-def _hyperparam_counts(state: SkipNonfiniteState, finite: jax.Array) -> HyperparamCounts:
+def _hyperparam_counts(state: SkipNonfiniteState,
+                       finite: jax.Array) -> HyperparamCounts | None:
   """The guard's hyperparameter counts after a step whose hyperparameters' finiteness is
-  ``finite`` (one flag per name)."""
+  ``finite`` (one flag per name); ``None`` for a guard that checks none."""
   counts = state.nonfinite_hyperparams
+  if counts is None and finite.shape == (0,):
+    return None
   if not isinstance(counts, HyperparamCounts):
     raise TypeError(
         "SkipNonfiniteState.nonfinite_hyperparams must be a HyperparamCounts, got "
@@ -146,10 +149,11 @@ def record_step(
     counted = counted._replace(spikes=spikes.record(state.spikes, spike, step_finite,
                                                     state.step))
   counted = counted._replace(nonfinite_hyperparams=hyperparam_counts)
+  hyperparam_names = () if hyperparam_counts is None else hyperparam_counts.names
   if checked or max_consecutive is not None:
     leaf_names = state.nonfinite_steps.names()
   if checked:
-    for index, name in enumerate(hyperparam_counts.names):
+    for index, name in enumerate(hyperparam_names):
       checkify.check(
           needs_checkify(hyperparams_finite[index]),
           f"{name}: non-finite hyperparameter at step {{step}} (this step's value of a "
@@ -163,7 +167,7 @@ def record_step(
       )
   if max_consecutive is not None:
     _stop_after_max_consecutive(counted.consecutive_skips, state.step, leaf_finite,
-                                hyperparams_finite, leaf_names, hyperparam_counts.names,
+                                hyperparams_finite, leaf_names, hyperparam_names,
                                 max_consecutive)
   return counted._replace(inner_state=new_inner_state)
 
