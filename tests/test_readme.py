@@ -5,8 +5,11 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -68,3 +71,31 @@ def test_exactly_two_setup_commands_and_ci_runs_the_test_one():
   assert commands[1].endswith("pytest")
   ci = (ROOT / ".ci" / "run").read_text()
   assert commands[1] in ci
+
+
+def _installed_by(extras: dict[str, list[str]], extra: str) -> set[str]:
+  """The distributions that ``pip install 'optax-safefactor[extra]'`` adds to the core's:
+  the extra's requirements, with the extras of this package it names expanded."""
+  names = set()
+  for line in extras[extra]:
+    requirement = Requirement(line)
+    if canonicalize_name(requirement.name) == "optax-safefactor":
+      for inner in requirement.extras:
+        names |= _installed_by(extras, inner)
+    else:
+      names.add(canonicalize_name(requirement.name))
+  return names
+
+
+def test_the_extras_the_readme_lists_are_what_pyproject_installs():
+  # The README once listed the demo extra as flax, matplotlib and tqdm: it installs the flax
+  # extra, orbax-checkpoint with it.
+  pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  extras = pyproject["project"]["optional-dependencies"]
+  paragraph = next(p for p in README.read_text().split("\n\n") if p.startswith("Extras:"))
+  # The extras written as a plain list of names: `name` (a, b, c).
+  listed = dict(re.findall(r"`([\w-]+)` \(([\w-]+(?:, [\w-]+)*)\)", " ".join(paragraph.split())))
+  assert {"flax", "demo"} <= listed.keys(), listed
+  for extra, names in listed.items():
+    assert {canonicalize_name(name) for name in names.split(", ")} == _installed_by(
+        extras, extra), extra
