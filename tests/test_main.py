@@ -2,8 +2,10 @@
 
 import argparse
 import importlib
+import io
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -35,7 +37,12 @@ def test_demo_prints_table_and_writes_plot(tmp_path):
   plot = tmp_path / "out" / "loss_curves.png"
   assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert f"plot: {plot}" in result.stdout
-  assert "step" in result.stderr  # the progress bar
+  # stderr is a pipe here, as a log file would be: a line per run and one at the end, not
+  # a bar's carriage-return updates (once one line of 200 KB in a default run's log).
+  progress = result.stderr.splitlines()
+  assert "\r" not in result.stderr and len(progress) == 3, result.stderr[-3000:]
+  assert progress[0].startswith("0/24 steps") and progress[-1].startswith("24/24 steps")
+  assert all(len(line) < 80 for line in progress)
 
 
 def test_bad_flag_is_a_usage_error(tmp_path):
@@ -275,6 +282,41 @@ def test_short_runs_label_their_window_and_show_every_curve():
     assert [len(line.get_xdata()) for line in figure.axes[2].get_lines()] == [4, 4]
   finally:
     plt.close(figure)
+
+
+def _default_run_progress(stream) -> int:
+  """What the default run reports: each run's name, then its steps one by one; their total."""
+  args = demo.parse_args([])
+  runs = [args.steps] * 4 + [args.rounding_steps] * 5 + [args.spike_steps] * 2
+  with demo.progress_bar(sum(runs), stream) as progress:
+    for index, steps in enumerate(runs):
+      progress.set_description(f"run {index}")
+      for _ in range(steps):
+        progress.update(1)
+  return sum(runs)
+
+
+class _Terminal(io.StringIO):
+  def isatty(self) -> bool:
+    return True
+
+
+def test_progress_in_a_log_is_a_line_per_run():
+  # tqdm's carriage-return updates made a default run's log one line of 200 KB.
+  log = io.StringIO()
+  total = _default_run_progress(log)
+  lines = log.getvalue().splitlines()
+  assert "\r" not in log.getvalue() and len(lines) == 12  # eleven runs, then the end
+  assert all(len(line) < 80 for line in lines), lines
+  assert re.fullmatch(rf"0/{total} steps, \d+ s: run 0", lines[0]), lines[0]
+  assert re.fullmatch(rf"{total}/{total} steps, \d+ s: done", lines[-1]), lines[-1]
+
+
+def test_progress_on_a_terminal_is_a_bar():
+  terminal = _Terminal()
+  _default_run_progress(terminal)
+  assert "\r" in terminal.getvalue() and "it/s" not in terminal.getvalue()
+  assert "step/s" in terminal.getvalue() or "s/step" in terminal.getvalue()
 
 
 MODULES = ["demo", *SUBCOMMANDS.values()]

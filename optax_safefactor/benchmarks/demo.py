@@ -399,13 +399,49 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
+class LogProgress:
+  """Progress for a stream that is not a terminal (a log file, a pipe): one short line as
+  each run starts and one at the end. A bar's carriage-return updates would make one line
+  of hundreds of kilobytes there."""
+
+  def __init__(self, total: int, stream):
+    self.total, self.stream, self.done = total, stream, 0
+    self.started = time.perf_counter()
+
+  def __enter__(self) -> LogProgress:
+    return self
+
+  def __exit__(self, error_type, error, traceback) -> None:
+    if error_type is None:
+      self._line("done")
+
+  def set_description(self, text: str) -> None:
+    """Called as each run starts, with the run's name."""
+    self._line(text)
+
+  def update(self, steps: int) -> None:
+    self.done += steps
+
+  def _line(self, text: str) -> None:
+    elapsed = time.perf_counter() - self.started
+    print(f"{self.done}/{self.total} steps, {elapsed:.0f} s: {text}", file=self.stream,
+          flush=True)
+
+
+def progress_bar(total: int, stream):
+  """tqdm's bar of ``total`` steps on a terminal; elsewhere a line per run (LogProgress)."""
+  if stream.isatty():
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", file=stream)
+  return LogProgress(total, stream)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   problem = unwritable_folder(args.out)
   if problem is not None:
     return fail(PROG, f"cannot write the plot to --out {args.out}: {problem}")
-  from tqdm import tqdm
-
   dtypes = ("float16", "bfloat16") if args.dtype == "both" else (args.dtype,)
   runs = [(name, dtype) for dtype in dtypes for name in ("safefactor", "optax.adafactor")]
   rounding_runs = ROUNDING_RUNS if args.rounding_steps else ()
@@ -414,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   total = (len(runs) * args.steps + len(rounding_runs) * args.rounding_steps
            + len(spike_runs) * args.spike_steps)
   results = []
-  with tqdm(total=total, unit="step", file=sys.stderr) as progress:
+  with progress_bar(total, sys.stderr) as progress:
     for name, dtype in runs:
       progress.set_description(f"{name} / {dtype}")
       results.append(train(name, dtype, args.steps, args.seed, progress,
