@@ -319,6 +319,19 @@ def test_progress_on_a_terminal_is_a_bar():
   assert "step/s" in terminal.getvalue() or "s/step" in terminal.getvalue()
 
 
+def test_runs_of_one_dtype_share_the_compiled_gradient():
+  # Compiling is most of a default run's time, and the gradient most of what each run
+  # compiles: two runs with bfloat16 params compile it once.
+  import jax.numpy as jnp
+
+  loss_and_grads = demo._jitted(demo._loss_and_grads)
+  tokens, factor = jnp.zeros((2, 9), jnp.int32), jnp.float32(1.0)
+  compiled = loss_and_grads.jitted_fn._cache_size()
+  for seed, dtype in enumerate(["bfloat16", "bfloat16", "float32"]):
+    loss_and_grads(demo._build_model(8, jnp.dtype(dtype), seed), tokens, factor)
+  assert loss_and_grads.jitted_fn._cache_size() - compiled == 2
+
+
 MODULES = ["demo", *SUBCOMMANDS.values()]
 
 

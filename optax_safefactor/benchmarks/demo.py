@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import pathlib
 import sys
 import time
@@ -36,14 +37,19 @@ def load_corpus() -> str:
   return resources.files("optax_safefactor").joinpath("data/apache-2.0.txt").read_text()
 
 
-def _build_model(vocab_size: int, dtype, seed: int):
-  """Params stored in ``dtype`` (their gradients too); activations in float32."""
+@functools.cache
+def _language_model_class():
+  """The model's class, defined once per process.
+
+  nnx.jit keys its compiled programs on the model's classes: one class for every run lets
+  the runs with params of one dtype share the compiled gradient (:func:`_loss_and_grads`).
+  """
   from flax import nnx
 
   compute = jnp.float32
 
   class Block(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, dtype, rngs):
       self.attention_norm = nnx.LayerNorm(WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
       self.attention = nnx.MultiHeadAttention(
           num_heads=HEADS, in_features=WIDTH, dtype=compute, param_dtype=dtype, decode=False,
@@ -57,11 +63,11 @@ def _build_model(vocab_size: int, dtype, seed: int):
       return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
 
   class LanguageModel(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, vocab_size, dtype, rngs):
       self.embed = nnx.Embed(vocab_size, WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
       self.position = nnx.Param(
           (jax.random.normal(rngs.params(), (SEQUENCE_LENGTH, WIDTH)) * 0.02).astype(dtype))
-      self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+      self.blocks = nnx.List([Block(dtype, rngs) for _ in range(LAYERS)])
       self.norm = nnx.LayerNorm(WIDTH, dtype=compute, param_dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens):
@@ -71,7 +77,14 @@ def _build_model(vocab_size: int, dtype, seed: int):
         x = block(x, mask)
       return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
-  return LanguageModel(nnx.Rngs(seed))
+  return LanguageModel
+
+
+def _build_model(vocab_size: int, dtype, seed: int):
+  """Params stored in ``dtype`` (their gradients too); activations in float32."""
+  from flax import nnx
+
+  return _language_model_class()(vocab_size, dtype, nnx.Rngs(seed))
 
 
 @dataclasses.dataclass
@@ -140,6 +153,37 @@ def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
   return optax.MultiSteps(tx, accumulate) if accumulate > 1 else tx
 
 
+def _loss_and_grads(model, tokens, gradient_factor):
+  """The batch's loss, and the gradient of ``gradient_factor`` times it (in the params' dtype)."""
+  from flax import nnx
+
+  def loss_fn(model):
+    logits = model(tokens[:, :-1])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return loss * gradient_factor, loss
+
+  (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  return loss, grads
+
+
+def _apply_update(model, optimizer, grads):
+  """One optimizer update of the params; whether they are all finite after it."""
+  from flax import nnx
+
+  optimizer.update(model, grads)
+  return jnp.all(jnp.stack([
+      jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]))
+
+
+@functools.cache
+def _jitted(function):
+  """``function`` under nnx.jit, one wrapper per process: a call whose arguments have the
+  structure of an earlier call's (a model of the same dtype) reuses its compiled program."""
+  from flax import nnx
+
+  return nnx.jit(function)
+
+
 def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress, *,
           accumulate: int = 1, learning_rate: float = 1e-2,
           param_rounding: str | None = None, skip_spikes: float | None = None,
@@ -160,21 +204,11 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress,
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   rng = np.random.default_rng(seed)
 
-  # One compiled micro-step, called `accumulate` times per optimizer step: the
-  # accumulating transformation emits the update on the last micro-batch of a group.
-  @nnx.jit
-  def step(model, optimizer, tokens, gradient_factor):
-    def loss_fn(model):
-      logits = model(tokens[:, :-1])
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-      return loss * gradient_factor, loss
-
-    (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    optimizer.update(model, grads)
-    params_finite = jnp.all(jnp.stack([
-        jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]))
-    return loss, params_finite
-
+  # One micro-step is two compiled programs, called `accumulate` times per optimizer step
+  # (the accumulating transformation emits the update on the last micro-batch of a group):
+  # the gradient, compiled once per param dtype and shared by the runs (most of the compile
+  # time of a run), and the optimizer's update, compiled for each run.
+  loss_and_grads, apply_update = _jitted(_loss_and_grads), _jitted(_apply_update)
   losses, nonfinite_steps, started = [], 0, None
   for index in range(steps):
     starts = rng.integers(0, len(encoded) - SEQUENCE_LENGTH - 1, BATCH_SIZE)
@@ -182,7 +216,8 @@ def train(optimizer_name: str, dtype_name: str, steps: int, seed: int, progress,
     micro_losses, params_finite = [], True
     factor = jnp.float32(SPIKE_FACTOR if index == spike_at else 1.0)
     for tokens in np.split(batch, accumulate):
-      loss, finite = step(model, optimizer, jnp.asarray(tokens), factor)
+      loss, grads = loss_and_grads(model, jnp.asarray(tokens), factor)
+      finite = apply_update(model, optimizer, grads)
       micro_losses.append(float(loss))
       params_finite = params_finite and bool(finite)
     losses.append(float(np.mean(micro_losses)))
