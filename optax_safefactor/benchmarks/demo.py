@@ -140,6 +140,8 @@ SPIKE_AT = 100
 SPIKE_LEARNING_RATE = 1e-3
 SPIKE_FACTOR = 50.0
 SKIP_SPIKES = 6.0
+# The running mean the spike's panel draws, in steps.
+SPIKE_MEAN = 10
 
 
 def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
@@ -259,13 +261,14 @@ def results_table(results: Sequence[RunResult]) -> str:
 
 
 def _panels(results: Sequence[RunResult]):
-  """(title, runs, window) per panel: the dtype comparison's panels, then the write-back one.
+  """(title, runs, window) per panel: the dtype comparison's, the write-back one, the spike's.
 
   ``window`` is the running mean's length in steps; 1 plots every step as it is.
   """
   dtype_runs = [r for r in results if r.comparison == "dtype"]
-  panels = [(f"params in {dtype}", [r for r in dtype_runs if r.dtype == dtype], 1)
-            for dtype in dict.fromkeys(r.dtype for r in dtype_runs)]
+  panels = [(f"params in {dtype}, lr {runs[0].learning_rate:g}", runs, 1)
+            for dtype in dict.fromkeys(r.dtype for r in dtype_runs)
+            for runs in [[r for r in dtype_runs if r.dtype == dtype]]]
   rounding = [r for r in results if r.comparison == "rounding"]
   if rounding:
     # Smoothed: the gap between write-back modes is smaller than one step's noise. A
@@ -277,68 +280,161 @@ def _panels(results: Sequence[RunResult]):
     panels.append((title, rounding, max(window, 1)))
   spike = [r for r in results if r.comparison == "spike"]
   if spike:
-    panels.append((f"a {SPIKE_FACTOR:g}x gradient at step {SPIKE_AT} "
-                   f"({spike[0].dtype}, lr {spike[0].learning_rate:g})", spike, 1))
+    # Smoothed too: after the spike, optax's curve falls behind by less than one step's
+    # noise at first.
+    window = min(SPIKE_MEAN, min(len(r.losses) for r in spike) // 2)
+    title = (f"a {SPIKE_FACTOR:g}x gradient at step {SPIKE_AT} "
+             f"({spike[0].dtype}, lr {spike[0].learning_rate:g})")
+    if window > 1:
+      title += f"\n(mean of {window} steps)"
+    panels.append((title, spike, max(window, 1)))
   return panels
 
 
+# The figure reads at the width the site's pages show it, about 800 px: FIGURE_WIDTH inches
+# wide, it has 800 / (72 * FIGURE_WIDTH) px to a point there, 1.1 at 10 inches, so its
+# smallest text (TEXT_SIZE points: ticks, legends, notes) is 11 px. Panels fill rows of
+# COLUMNS.
+FIGURE_WIDTH = 10.0
+PANEL_HEIGHT = 5.2
+COLUMNS = 2
+TITLE_SIZE, LABEL_SIZE, TEXT_SIZE = 12, 11, 10
+LINE_WIDTH = 2.2
 # One marker shape per curve of a panel, in drawing order.
 CURVE_MARKERS = ("o", "s", "^", "D", "v", "P")
+# Curves closer than this fraction of their panel's range over most of their steps lie on
+# each other (a line is about 1% of a panel's height): they share the line in turns.
+COINCIDE = 0.02
+# The length of a curve's turn on a shared line, in line widths (matplotlib scales dashes
+# by the width).
+TURN = 2.5
+
+
+@dataclasses.dataclass
+class _Curve:
+  steps: np.ndarray
+  losses: np.ndarray
+  label: str
+  dashed: bool  # optax's curves, when they have a line of their own
+
+
+def _curve(run: RunResult, window: int) -> _Curve:
+  """What a panel draws of ``run``: its losses (a running mean over ``window`` steps) and
+  its legend label."""
+  losses = np.asarray(run.losses, float)
+  label = run.optimizer
+  if run.comparison == "rounding":  # one optimizer, several dtypes and modes
+    label = f"{run.optimizer}, {run.dtype} {run.rounding}"
+  if run.comparison == "spike" and run.skipped_steps:
+    label += f" ({plural(run.skipped_steps, 'step')} skipped)"
+  if window > 1:
+    losses = np.convolve(losses, np.ones(window) / window, mode="valid")
+  if not np.isfinite(losses).any():
+    label += " (all non-finite)"  # in the legend, but nothing to draw
+  offset = len(run.losses) - len(losses)  # a running mean starts at its window's end
+  return _Curve(offset + np.arange(len(losses)), losses, label,
+                dashed=run.optimizer.startswith("optax"))
+
+
+def _lie_on_each_other(first: _Curve, second: _Curve, span: float) -> bool:
+  """Whether two curves are within ``COINCIDE * span`` of each other at most of the steps
+  where either is finite (a curve that turns NaN lies on none)."""
+  steps = np.union1d(first.steps, second.steps)
+  first_losses, second_losses = (np.full(steps.size, np.nan) for _ in range(2))
+  first_losses[np.searchsorted(steps, first.steps)] = first.losses
+  second_losses[np.searchsorted(steps, second.steps)] = second.losses
+  drawn = np.isfinite(first_losses) | np.isfinite(second_losses)
+  close = np.abs(first_losses - second_losses) < COINCIDE * span  # False where either is NaN
+  return bool(drawn.any() and close.sum() > drawn.sum() / 2)
+
+
+def _coinciding_groups(curves: Sequence[_Curve]) -> list[list[int]]:
+  """The curves' indices, grouped with the curves each lies on (:func:`_lie_on_each_other`)."""
+  finite = [c.losses[np.isfinite(c.losses)] for c in curves]
+  span = float(np.ptp(np.concatenate(finite))) if any(f.size for f in finite) else 0.0
+  groups: list[list[int]] = []
+  for index, curve in enumerate(curves):
+    group = next((g for g in groups
+                  if any(_lie_on_each_other(curve, curves[i], span) for i in g)), None)
+    if group is None:
+      groups.append([index])
+    else:
+      group.append(index)
+  return groups
+
+
+def _draw_panel(axis, title: str, runs: Sequence[RunResult], window: int,
+                first_column: bool) -> None:
+  from matplotlib.ticker import MaxNLocator
+
+  curves = [_curve(r, window) for r in runs]
+  group_of = {i: group for group in _coinciding_groups(curves) for i in group}
+  for index, (run, curve) in enumerate(zip(runs, curves, strict=True)):
+    # Curves that lie on each other (bfloat16 round-to-nearest and optax's; stochastic
+    # rounding, Kahan and float32 params) share the line in turns, each drawing one dash
+    # of TURN widths where the one before it stops, so every colour shows along it; a
+    # curve alone is solid, or dashed for optax.
+    group = group_of[index]
+    turn = group.index(index)
+    if len(group) > 1:
+      style = (turn * TURN, (TURN, (len(group) - 1) * TURN))
+    else:
+      style = "--" if curve.dashed else "-"
+    finite = np.isfinite(curve.losses)
+    # A finite point between non-finite ones draws no line (optax's float16 run that
+    # turns NaN after its first step), and a short run has few points: mark them all.
+    isolated = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
+    if isolated.any() or len(curve.losses) <= TAIL:
+      every = 1
+    else:  # the markers of a shared line take turns too, rather than sit on each other
+      spacing = max(1, len(curve.losses) // 8)
+      every = (turn * spacing // len(group), spacing)
+    axis.plot(curve.steps, curve.losses, linestyle=style, linewidth=LINE_WIDTH,
+              marker=CURVE_MARKERS[index % len(CURVE_MARKERS)], markersize=6,
+              markevery=every, markerfacecolor="none", label=curve.label)
+    bad = np.flatnonzero(~np.isfinite(run.losses))
+    if bad.size:
+      _mark_step(axis, bad[0], f"{run.optimizer}: NaN from step {bad[0]}", "red")
+  if runs and runs[0].comparison == "spike" and len(runs[0].losses) > SPIKE_AT:
+    _mark_step(axis, SPIKE_AT, f"{SPIKE_FACTOR:g}x gradient", "darkorange")
+  axis.set_title(title, fontsize=TITLE_SIZE)
+  axis.set_xlabel("step", fontsize=LABEL_SIZE)
+  # Steps are whole numbers; left alone, a short run gets ticks at 0.5, 1.5, ...
+  axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+  if first_column:  # every panel's y axis is the same quantity: named once per row
+    axis.set_ylabel("training loss (cross-entropy)", fontsize=LABEL_SIZE)
+  axis.tick_params(labelsize=TEXT_SIZE)
+  # Under the panel: inside, a legend of five curves covers some of them.
+  axis.legend(fontsize=TEXT_SIZE, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+              frameon=False)
+
+
+def _mark_step(axis, step: int, text: str, color: str) -> None:
+  """A vertical line at ``step``, named at the top of the panel."""
+  axis.axvline(step, color=color, alpha=0.5, linestyle=":")
+  axis.annotate(text, (step, 1), xycoords=("data", "axes fraction"), xytext=(5, -15),
+                textcoords="offset points", color=color, fontsize=TEXT_SIZE)
 
 
 def loss_figure(results: Sequence[RunResult]):
-  """One panel per dtype, left to right in the order of the table's rows, then write-back."""
+  """The panels in rows of ``COLUMNS``: one per dtype in the order of the table's rows, then
+  the write-back comparison, then the spike."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from matplotlib.ticker import MaxNLocator
 
   panels = _panels(results)
-  figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-  for axis, (title, runs, window) in zip(axes[0], panels, strict=True):
-    for index, r in enumerate(runs):
-      losses = np.asarray(r.losses)
-      style = "-" if r.optimizer == "safefactor" else "--"
-      label = r.optimizer
-      if r.comparison == "rounding":  # one optimizer, several dtypes and modes
-        label = f"{r.optimizer}, {r.dtype} {r.rounding}"
-      if r.comparison == "spike" and r.skipped_steps:
-        label += f" ({plural(r.skipped_steps, 'step')} skipped)"
-      if window > 1:
-        losses = np.convolve(losses, np.ones(window) / window, mode="valid")
-      offset = len(r.losses) - len(losses)  # a running mean starts at its window's end
-      finite = np.isfinite(losses)
-      if not finite.any():
-        label += " (all non-finite)"  # in the legend, but nothing to draw
-      # A finite point between non-finite ones draws no line (optax's float16 run that
-      # turns NaN after its first step), and a short run has few points: mark them.
-      alone = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
-      # Curves can coincide (bfloat16 round-to-nearest under optax's, stochastic under
-      # Kahan): each one drawn later is narrower, with a marker of its own, so that every
-      # curve shows around the ones on top of it.
-      width = 1.2 + 1.4 * (len(runs) - 1 - index)
-      marker = CURVE_MARKERS[index % len(CURVE_MARKERS)]
-      every = 1 if alone.any() or len(losses) <= TAIL else max(1, len(losses) // 8)
-      axis.plot(offset + np.arange(len(losses)), losses, style, linewidth=width, marker=marker,
-                markersize=3 + width, markevery=every, markerfacecolor="none", label=label)
-      bad = np.flatnonzero(~np.isfinite(r.losses))
-      if bad.size:
-        axis.axvline(bad[0], color="red", alpha=0.4)
-        axis.annotate(f"{r.optimizer}: NaN from step {bad[0]}", (bad[0], axis.get_ylim()[1]),
-                      xytext=(5, -15), textcoords="offset points", color="red", fontsize=8)
-    if runs and runs[0].comparison == "spike" and len(runs[0].losses) > SPIKE_AT:
-      axis.axvline(SPIKE_AT, color="orange", alpha=0.6, linestyle=":")
-      axis.annotate(f"{SPIKE_FACTOR:g}x gradient", (SPIKE_AT, axis.get_ylim()[1]),
-                    xytext=(5, -15), textcoords="offset points", color="darkorange",
-                    fontsize=8)
-    axis.set_title(title)
-    axis.set_xlabel("step")
-    # Steps are whole numbers; left alone, a short run gets ticks at 0.5, 1.5, ...
-    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axis.set_ylabel("training loss (cross-entropy)")
-    axis.legend(fontsize=8)
-  figure.suptitle("Character-level transformer on the Apache-2.0 text")
+  columns = min(COLUMNS, len(panels))
+  rows = -(-len(panels) // columns)
+  figure, axes = plt.subplots(rows, columns, figsize=(FIGURE_WIDTH, PANEL_HEIGHT * rows),
+                              squeeze=False)
+  for index, axis in enumerate(axes.flat):
+    if index < len(panels):
+      _draw_panel(axis, *panels[index], first_column=index % columns == 0)
+    else:
+      axis.remove()  # an odd panel out leaves its row's last cell empty
+  figure.suptitle("Character-level transformer on the Apache-2.0 text", fontsize=TITLE_SIZE)
   figure.tight_layout()
   return figure
 
