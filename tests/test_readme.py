@@ -99,3 +99,16 @@ def test_the_extras_the_readme_lists_are_what_pyproject_installs():
   for extra, names in listed.items():
     assert {canonicalize_name(name) for name in names.split(", ")} == _installed_by(
         extras, extra), extra
+
+
+def test_the_demo_table_is_a_default_runs():
+  # Its steps are the defaults': a table left from before the defaults changed quotes a run
+  # that `python -m optax_safefactor` no longer makes.
+  from optax_safefactor.benchmarks import demo
+
+  defaults = demo.parse_args([])
+  table = README.read_text().split("| optimizer | params | write-back |", 1)[1]
+  rows = [line.split(" | ") for line in table.split("\n\n", 1)[0].splitlines()[2:]]
+  steps = [int(row[6].split(" / ")[1]) for row in rows]
+  assert steps == ([defaults.steps] * 4 + [defaults.rounding_steps] * len(demo.ROUNDING_RUNS)
+                   + [defaults.spike_steps] * 2)

@@ -27,7 +27,6 @@ from optax_safefactor.benchmarks.common import HelpFormatter, fail, plural, unwr
 
 SEQUENCE_LENGTH = 64
 BATCH_SIZE = 16
-ROUNDING_STEPS = 150
 WIDTH = 128
 LAYERS = 2
 HEADS = 4
@@ -135,13 +134,23 @@ ROUNDING_RUNS = (
 # that one step, so the loss does not jump; the spike's cost is in the second moment, which
 # it multiplies about 60-fold at step 100 (beta2 = 1 - 101**-0.8): the next updates shrink
 # and optax.adafactor falls behind, which shows at a learning rate where progress is steady.
-SPIKE_STEPS = 250
 SPIKE_AT = 100
 SPIKE_LEARNING_RATE = 1e-3
 SPIKE_FACTOR = 50.0
 SKIP_SPIKES = 6.0
 # The running mean the spike's panel draws, in steps.
 SPIKE_MEAN = 10
+
+
+# The default run's steps per run of each comparison: no more than show its point, since
+# each step costs every run of the comparison (the default run's 860 steps take about half
+# its time; compiling, the other half). optax's float16 params are NaN from the first step
+# and its bfloat16 curve is safefactor's; the write-back curves part at once
+# (round-to-nearest's loss 19% above float32 params' at 60 steps, stochastic and Kahan
+# within about 1%); optax.adafactor falls behind over some 80 steps after the spike.
+STEPS = 50
+ROUNDING_STEPS = 60
+SPIKE_STEPS = 180
 
 
 def _optimizer(optimizer_name: str, learning_rate: float, accumulate: int,
@@ -479,8 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
           "optax.adafactor, print a results table and write a plot of the loss curves."),
       epilog=EPILOG, formatter_class=HelpFormatter,
   )
-  parser.add_argument("--steps", type=int, default=150, metavar="N",
-                      help="training steps per run, at least 2 (150)")
+  parser.add_argument("--steps", type=int, default=STEPS, metavar="N",
+                      help=f"training steps per run, at least 2 ({STEPS})")
   parser.add_argument("--dtype", choices=("float16", "bfloat16", "both"), default="both",
                       help="parameter dtype (both)")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("safefactor-demo"),
@@ -493,18 +502,19 @@ def build_parser() -> argparse.ArgumentParser:
       "--rounding-steps", type=int, default=ROUNDING_STEPS, metavar="N",
       help=f"steps of each write-back run: bfloat16 params at lr {ROUNDING_LEARNING_RATE:g} "
            "with safefactor's param_rounding nearest, stochastic and kahan, against float32 "
-           "params and optax.adafactor; 0 skips them. The default keeps these runs near "
-           "a minute on 2 CPU cores and already shows round-to-nearest stalling (its "
-           "loss about 18%% above float32 params); 400 widens the gap and takes about "
-           f"twice as long ({ROUNDING_STEPS})")
+           "params and optax.adafactor; 0 skips them. The default shows round-to-nearest "
+           "stalling (its loss about 19%% above float32 params', stochastic and kahan "
+           "within about 1%%); in longer runs stochastic and kahan close on float32 params "
+           f"(within 0.1%% at 250 steps) ({ROUNDING_STEPS})")
   parser.add_argument(
       "--spike-steps", type=int, default=SPIKE_STEPS, metavar="N",
       help=f"steps of each spike run: float32 params at lr {SPIKE_LEARNING_RATE:g}, with a "
            "gradient "
            f"{SPIKE_FACTOR:g} times the batch's at step {SPIKE_AT}, for optax.adafactor and "
            f"for safefactor with skip_spikes={SKIP_SPIKES:g}, which skips it; 0 skips these "
-           f"runs, and a run of {SPIKE_AT} steps or fewer ends before the spike "
-           f"({SPIKE_STEPS})")
+           f"runs, and a run of {SPIKE_AT} steps or fewer ends before the spike; the "
+           f"default shows optax.adafactor falling behind over {SPIKE_STEPS - SPIKE_AT} "
+           f"steps after it ({SPIKE_STEPS})")
   parser.add_argument(
       "--accumulate", type=int, default=1, metavar="K",
       help=f"split each batch of {BATCH_SIZE} sequences into K micro-batches and accumulate "
