@@ -2,8 +2,10 @@
 
 import argparse
 import importlib
+import io
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -35,7 +37,12 @@ def test_demo_prints_table_and_writes_plot(tmp_path):
   plot = tmp_path / "out" / "loss_curves.png"
   assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert f"plot: {plot}" in result.stdout
-  assert "step" in result.stderr  # the progress bar
+  # stderr is a pipe here, as a log file would be: a line per run and one at the end, not
+  # a bar's carriage-return updates (once one line of 200 KB in a default run's log).
+  progress = result.stderr.splitlines()
+  assert "\r" not in result.stderr and len(progress) == 3, result.stderr[-3000:]
+  assert progress[0].startswith("0/24 steps") and progress[-1].startswith("24/24 steps")
+  assert all(len(line) < 80 for line in progress)
 
 
 def test_bad_flag_is_a_usage_error(tmp_path):
@@ -161,7 +168,7 @@ def test_plot_panels_follow_the_table_and_ticks_are_whole_steps(dtypes):
   try:
     figure.canvas.draw()
     titles = [axis.get_title() for axis in figure.axes]
-    assert titles == [f"params in {d}" for d in dict.fromkeys(table_dtypes)]
+    assert titles == [f"params in {d}, lr 0.01" for d in dict.fromkeys(table_dtypes)]
     for axis in figure.axes:
       ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
       assert ticks and all(float(t).is_integer() for t in ticks), ticks
@@ -181,32 +188,98 @@ def test_write_back_panel_follows_the_dtype_panels():
   figure = demo.loss_figure(results)
   try:
     titles = [axis.get_title() for axis in figure.axes]
-    assert titles == ["params in float16", "write-back at lr 0.001 (mean of 15 steps)"]
+    assert titles == ["params in float16, lr 0.01", "write-back at lr 0.001 (mean of 15 steps)"]
     labels = [line.get_label() for line in figure.axes[1].get_lines()]
     assert labels == ["safefactor, float32 nearest", "safefactor, bfloat16 stochastic"]
   finally:
     plt.close(figure)
 
 
-def test_coinciding_curves_all_show():
-  # The default run's write-back panel drew bfloat16 round-to-nearest exactly under
-  # optax's dashed line, and stochastic under Kahan: two of five curves hidden.
+def _ink(figure, axis, color) -> int:
+  """How many pixels of ``axis``, as drawn, are ``color`` (or nearly: lines are antialiased)."""
+  from matplotlib.colors import to_rgb
+
+  figure.canvas.draw()
+  image = np.asarray(figure.canvas.buffer_rgba())[..., :3].astype(int)
+  left, bottom, right, top = axis.get_window_extent().extents
+  height = image.shape[0]
+  panel = image[int(height - top):int(height - bottom), int(left):int(right)]
+  return int((np.abs(panel - np.array(to_rgb(color)) * 255).max(axis=-1) < 40).sum())
+
+
+@pytest.mark.parametrize("steps", [60, 150])
+def test_curves_that_lie_on_each_other_all_show(steps):
+  # The write-back panel of a default run: stochastic rounding and Kahan within 1% of float32
+  # params, optax's bfloat16 curve on safefactor's round-to-nearest. Each curve was drawn
+  # narrower than the one before it, and stochastic rounding (under Kahan, over float32)
+  # kept a fifth of its pixels.
   import matplotlib.pyplot as plt
 
-  same = dict(learning_rate=1e-3, comparison="rounding")
-  results = [_result("safefactor", dtype, 40, rounding=rounding, **same)
-             for dtype, rounding in [("float32", "nearest"), ("bfloat16", "nearest"),
-                                     ("bfloat16", "stochastic"), ("bfloat16", "kahan")]]
-  results.append(_result("optax.adafactor", "bfloat16", 40, rounding="nearest", **same))
+  base = 3 + np.exp(-np.arange(steps) / 30)
+  runs = [("safefactor", "float32", "nearest", 0.0), ("safefactor", "bfloat16", "nearest", 0.5),
+          ("safefactor", "bfloat16", "stochastic", 0.02),
+          ("safefactor", "bfloat16", "kahan", 0.021),
+          ("optax.adafactor", "bfloat16", "nearest", 0.5)]
+  results = [demo.RunResult(name, dtype, list(base + offset), 0, None, 1024, 1.0,
+                            rounding=rounding, learning_rate=1e-3, comparison="rounding")
+             for name, dtype, rounding, offset in runs]
   figure = demo.loss_figure(results)
   try:
-    lines = figure.axes[0].get_lines()
-    assert len(lines) == 5
-    # Every curve is wider than each drawn after it (so it shows around them all), and no
-    # two share a marker.
-    widths = [line.get_linewidth() for line in lines]
-    assert widths == sorted(widths, reverse=True) and len(set(widths)) == 5
-    assert len({line.get_marker() for line in lines}) == 5
+    (axis,) = figure.axes
+    axis.get_legend().set_visible(False)  # its own samples of each colour
+    lines = axis.get_lines()
+    assert len(lines) == 5 and len({line.get_color() for line in lines}) == 5
+    shown = [_ink(figure, axis, line.get_color()) for line in lines]
+    for line in lines:
+      line.set_visible(False)
+    for line, pixels in zip(lines, shown, strict=True):
+      line.set_visible(True)
+      alone = _ink(figure, axis, line.get_color())
+      line.set_visible(False)
+      # Most of what the curve draws alone still shows among the others.
+      assert pixels > alone / 2, (line.get_label(), pixels, alone)
+  finally:
+    plt.close(figure)
+
+
+def test_four_panels_read_at_the_sites_width():
+  # The site shows the figure about 800 px wide; it was one row of four panels there, its
+  # legends 4 px high.
+  import matplotlib.pyplot as plt
+  from matplotlib.text import Text
+
+  same = dict(learning_rate=1e-3)
+  results = [_result(name, dtype, 30) for dtype in ("float16", "bfloat16")
+             for name in ("safefactor", "optax.adafactor")]
+  results += [_result("safefactor", "bfloat16", 30, rounding="kahan", comparison="rounding",
+                      **same),
+              _result("safefactor", "float32", demo.SPIKE_AT + 20, comparison="spike", **same)]
+  figure = demo.loss_figure(results)
+  try:
+    figure.canvas.draw()
+    corners = {(round(axis.get_position().x0, 2), round(axis.get_position().y0, 2))
+               for axis in figure.axes}
+    assert len(figure.axes) == 4 and len({x for x, _ in corners}) == 2
+    assert len({y for _, y in corners}) == 2  # two rows of two
+    pixels_per_point = 800 / (72 * figure.get_figwidth())
+    texts = [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert min(t.get_fontsize() for t in texts) * pixels_per_point >= 10
+  finally:
+    plt.close(figure)
+
+
+def test_an_odd_panel_out_leaves_an_empty_cell():
+  import matplotlib.pyplot as plt
+
+  results = [_result(name, dtype, 5) for dtype in ("float16", "bfloat16")
+             for name in ("safefactor", "optax.adafactor")]
+  results.append(_result("safefactor", "bfloat16", 30, rounding="kahan",
+                         learning_rate=1e-3, comparison="rounding"))
+  figure = demo.loss_figure(results)
+  try:
+    assert [axis.get_title() for axis in figure.axes] == [
+        "params in float16, lr 0.01", "params in bfloat16, lr 0.01",
+        "write-back at lr 0.001 (mean of 15 steps)"]
   finally:
     plt.close(figure)
 
@@ -222,7 +295,8 @@ def test_spike_panel_marks_the_spike_and_names_the_skip():
   figure = demo.loss_figure(results)
   try:
     (axis,) = figure.axes
-    assert axis.get_title() == "a 50x gradient at step 100 (float32, lr 0.001)"
+    assert axis.get_title() == ("a 50x gradient at step 100 (float32, lr 0.001)\n"
+                                "(mean of 10 steps)")
     labels = [line.get_label() for line in axis.get_lines()]
     assert labels[:2] == ["optax.adafactor", "safefactor (skip_spikes=6) (1 step skipped)"]
     marks = [line for line in axis.get_lines() if line.get_label().startswith("_")]
@@ -259,7 +333,7 @@ def test_short_runs_label_their_window_and_show_every_curve():
   try:
     figure.canvas.draw()
     titles = [axis.get_title() for axis in figure.axes]
-    assert titles == ["params in float16", "params in bfloat16",
+    assert titles == ["params in float16, lr 0.01", "params in bfloat16, lr 0.01",
                       "write-back at lr 0.001 (mean of 3 steps)"]
     for axis in figure.axes:
       curves = [line for line in axis.get_lines() if not line.get_label().startswith("_")]
@@ -275,6 +349,54 @@ def test_short_runs_label_their_window_and_show_every_curve():
     assert [len(line.get_xdata()) for line in figure.axes[2].get_lines()] == [4, 4]
   finally:
     plt.close(figure)
+
+
+def _default_run_progress(stream) -> int:
+  """What the default run reports: each run's name, then its steps one by one; their total."""
+  args = demo.parse_args([])
+  runs = [args.steps] * 4 + [args.rounding_steps] * 5 + [args.spike_steps] * 2
+  with demo.progress_bar(sum(runs), stream) as progress:
+    for index, steps in enumerate(runs):
+      progress.set_description(f"run {index}")
+      for _ in range(steps):
+        progress.update(1)
+  return sum(runs)
+
+
+class _Terminal(io.StringIO):
+  def isatty(self) -> bool:
+    return True
+
+
+def test_progress_in_a_log_is_a_line_per_run():
+  # tqdm's carriage-return updates made a default run's log one line of 200 KB.
+  log = io.StringIO()
+  total = _default_run_progress(log)
+  lines = log.getvalue().splitlines()
+  assert "\r" not in log.getvalue() and len(lines) == 12  # eleven runs, then the end
+  assert all(len(line) < 80 for line in lines), lines
+  assert re.fullmatch(rf"0/{total} steps, \d+ s: run 0", lines[0]), lines[0]
+  assert re.fullmatch(rf"{total}/{total} steps, \d+ s: done", lines[-1]), lines[-1]
+
+
+def test_progress_on_a_terminal_is_a_bar():
+  terminal = _Terminal()
+  _default_run_progress(terminal)
+  assert "\r" in terminal.getvalue() and "it/s" not in terminal.getvalue()
+  assert "step/s" in terminal.getvalue() or "s/step" in terminal.getvalue()
+
+
+def test_runs_of_one_dtype_share_the_compiled_gradient():
+  # Compiling is most of a default run's time, and the gradient most of what each run
+  # compiles: two runs with bfloat16 params compile it once.
+  import jax.numpy as jnp
+
+  loss_and_grads = demo._jitted(demo._loss_and_grads)
+  tokens, factor = jnp.zeros((2, 9), jnp.int32), jnp.float32(1.0)
+  compiled = loss_and_grads.jitted_fn._cache_size()
+  for seed, dtype in enumerate(["bfloat16", "bfloat16", "float32"]):
+    loss_and_grads(demo._build_model(8, jnp.dtype(dtype), seed), tokens, factor)
+  assert loss_and_grads.jitted_fn._cache_size() - compiled == 2
 
 
 MODULES = ["demo", *SUBCOMMANDS.values()]

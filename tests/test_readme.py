@@ -5,8 +5,11 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -70,3 +73,44 @@ def test_exactly_two_setup_commands_and_ci_runs_the_test_one():
   assert commands[1].endswith("pytest")
   ci = (ROOT / ".ci" / "run").read_text()
   assert commands[1] in ci
+
+
+def _installed_by(extras: dict[str, list[str]], extra: str) -> set[str]:
+  """The distributions that ``pip install 'optax-safefactor[extra]'`` adds to the core's:
+  the extra's requirements, with the extras of this package it names expanded."""
+  names = set()
+  for line in extras[extra]:
+    requirement = Requirement(line)
+    if canonicalize_name(requirement.name) == "optax-safefactor":
+      for inner in requirement.extras:
+        names |= _installed_by(extras, inner)
+    else:
+      names.add(canonicalize_name(requirement.name))
+  return names
+
+
+def test_the_extras_the_readme_lists_are_what_pyproject_installs():
+  # The README once listed the demo extra as flax, matplotlib and tqdm: it installs the flax
+  # extra, orbax-checkpoint with it.
+  pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  extras = pyproject["project"]["optional-dependencies"]
+  paragraph = next(p for p in README.read_text().split("\n\n") if p.startswith("Extras:"))
+  # The extras written as a plain list of names: `name` (a, b, c).
+  listed = dict(re.findall(r"`([\w-]+)` \(([\w-]+(?:, [\w-]+)*)\)", " ".join(paragraph.split())))
+  assert {"flax", "demo"} <= listed.keys(), listed
+  for extra, names in listed.items():
+    assert {canonicalize_name(name) for name in names.split(", ")} == _installed_by(
+        extras, extra), extra
+
+
+def test_the_demo_table_is_a_default_runs():
+  # Its steps are the defaults': a table left from before the defaults changed quotes a run
+  # that `python -m optax_safefactor` no longer makes.
+  from optax_safefactor.benchmarks import demo
+
+  defaults = demo.parse_args([])
+  table = README.read_text().split("| optimizer | params | write-back |", 1)[1]
+  rows = [line.split(" | ") for line in table.split("\n\n", 1)[0].splitlines()[2:]]
+  steps = [int(row[6].split(" / ")[1]) for row in rows]
+  assert steps == ([defaults.steps] * 4 + [defaults.rounding_steps] * len(demo.ROUNDING_RUNS)
+                   + [defaults.spike_steps] * 2)
