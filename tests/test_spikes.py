@@ -1,7 +1,7 @@
 """Spike skipping (``skip_spikes``): the rule against a NumPy restatement, and its contract.
 
-The reference below restates the rule from its docstring (``optax_safefactor._src.spikes``)
-in float64 over the recorded statistics; the tests compare the exact positions of the
+The reference (``tests.reference.ReferenceSpikeRule``) restates the rule from its
+docstring in float64 over the recorded statistics; the tests compare the exact positions of the
 skipped steps, the counters and the runs' bits.
 """
 
@@ -17,43 +17,23 @@ from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
 from tests.helpers import assert_trees_bitwise_equal, assert_trees_close, is_all_zero
+from tests.reference import ReferenceSpikeRule
 
 SHAPES = {"w": (12, 9), "b": (9,)}
 
 
 def reference_skips(norms, losses=None, *, threshold, window, nonfinite=()):
-  """The spike rule in float64: per step, "spike", "nonfinite" or "applied".
+  """The spike rule in float64 (``tests.reference.ReferenceSpikeRule``): per step,
+  "spike", "nonfinite" or "applied" (a spike taken at the bound is applied).
 
   ``norms`` (and ``losses``, NaN for a step without one) are each step's statistics.
   """
-  history: list[tuple[float, float]] = []
-  consecutive = 0
+  rule = ReferenceSpikeRule(threshold, window, ["g"])
   verdicts = []
   for step, norm in enumerate(norms):
-    loss = np.nan if losses is None else losses[step]
-    if step in nonfinite:
-      verdicts.append("nonfinite")
-      continue
-
-    def is_spike(values, value):
-      values = np.asarray([v for v in values if np.isfinite(v)], np.float64)
-      if not np.isfinite(value) or len(values) < window // 2 or len(values) < 2:
-        return False
-      mean = values.mean()
-      std = max(values.std(ddof=1), 0.02 * abs(mean))
-      return value > mean + threshold * std
-
-    spike = (is_spike([h[0] for h in history], norm)
-             or is_spike([h[1] for h in history], loss))
-    if spike and consecutive < window // 2:
-      consecutive += 1
-      verdicts.append("spike")
-      continue
-    if spike:
-      history = []
-    consecutive = 0
-    history = ([*history, (norm, loss)])[-window:]
-    verdicts.append("applied")
+    loss = None if losses is None else losses[step]
+    verdict = rule.step({"g": np.asarray([np.nan if step in nonfinite else norm])}, loss)
+    verdicts.append("applied" if verdict == "restart" else verdict)
   return verdicts
 
 
