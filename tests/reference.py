@@ -295,7 +295,7 @@ class ReferenceSpikeRule:
     ``"restart"`` (a spike taken at the bound) or ``"applied"``."""
     step = self.steps
     self.steps += 1
-    sums = {name: float(np.sum(np.abs(np.asarray(g, np.float64)) ** 2))
+    sums = {name: float(np.sum(np.abs(np.asarray(g).astype(np.complex128)) ** 2))
             for name, g in grads.items()}
     bad = [name for name in self.leaf_names
            if not np.all(np.isfinite(np.asarray(grads[name]))) or name in nonfinite_state]

@@ -349,6 +349,7 @@ def test_the_threshold_is_injectable_without_a_recompile():
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     (dict(skip_spikes=0.0), ValueError, "skip_spikes must be a positive number"),
     (dict(skip_spikes=float("nan")), ValueError, "skip_spikes must be a positive number"),
+    (dict(skip_spikes=-6.0), ValueError, "skip_spikes must be a positive number"),
     (dict(skip_spikes="6"), TypeError, "skip_spikes must be a number"),
     (dict(skip_spikes=6.0, spike_window=1), ValueError, "spike_window must be an int of at "
                                                         "least 2"),
@@ -433,3 +434,57 @@ def test_value_is_silent_with_spikes_on_or_off(subject):
                         optax.contrib.reduce_on_plateau(patience=2))
     with jax.numpy_dtype_promotion("standard"):  # reduce_on_plateau mixes int32 and float32
       chain.update(params, chain.init(params), params, value=jnp.float32(1.0))
+
+
+def _reference_run(tx, grads, values=None, window=4):
+  """Per step, whether ``tx`` skipped it, and the restatement's verdicts."""
+  params = jax.tree.map(jnp.zeros_like, grads[0])
+  state = tx.init(params)
+  rule = ReferenceSpikeRule(6.0, window, [f"params['{k}']" for k in sorted(params)])
+  skipped, verdicts = [], []
+  for step, g in enumerate(grads):
+    extra = {} if values is None else {"value": values[step]}
+    updates, state = tx.update(g, state, params, **extra)
+    skipped.append(all(is_all_zero(u) for u in jax.tree.leaves(updates)))
+    loss = None if values is None else float(np.ravel(values[step])[0])
+    verdicts.append(rule.step({f"params['{k}']": np.asarray(v) for k, v in g.items()}, loss))
+  return state, skipped, verdicts
+
+
+def test_the_smallest_window_judges_from_two_steps():
+  # spike_window=2, the least allowed: the limit needs two steps of history.
+  grads = [{"w": jnp.full(4, scale)} for scale in (1.0, 1.0, 50.0, 1.0)]
+  state, skipped, verdicts = _reference_run(osf.safefactor(0.1, skip_spikes=6.0, spike_window=2),
+                                            grads, window=2)
+  assert skipped == [False, False, True, False]
+  assert verdicts == ["applied", "applied", "spike", "applied"]
+  assert int(osf.skipped_spikes(state)) == 1
+
+
+def test_a_loss_of_shape_1_is_judged_as_the_scalar():
+  grads = [{"w": jnp.full(4, 1.0)}] * 5
+  values = [jnp.full([1], loss, jnp.float32) for loss in (2.0, 2.0, 2.0, 2.0, 20.0)]
+  state, skipped, verdicts = _reference_run(
+      osf.safefactor(0.1, skip_spikes=6.0, spike_window=4), grads, values)
+  assert skipped == [False] * 4 + [True] and verdicts[-1] == "spike"
+  assert osf.nonfinite_report(state)["last_spike_loss"] == 20.0
+
+
+def test_a_complex_gradient_norm_counts_both_parts():
+  grads = [{"z": jnp.asarray([1 + 2j, 3 - 1j, 0.5j], jnp.complex64) * scale}
+           for scale in (1.0, 1.1, 0.9, 1.0, 1.3)]
+  state, skipped, verdicts = _reference_run(
+      osf.safefactor(0.1, skip_spikes=6.0, spike_window=8), grads, window=8)
+  np.testing.assert_allclose(np.asarray(state.spikes.gradient_norms)[:5],
+                             [np.linalg.norm(np.asarray(g["z"])) for g in grads], rtol=1e-6)
+  assert skipped == [v == "spike" for v in verdicts]
+
+
+@pytest.mark.parametrize("subject", sorted(SUBJECTS))
+def test_an_empty_tree_steps_with_spikes_on(subject):
+  tx = SUBJECTS[subject](skip_spikes=6.0, spike_window=4)
+  state = tx.init({})
+  for _ in range(3):
+    _, state = tx.update({}, state, {})
+  assert int(state.step) == 3 and int(osf.skipped_spikes(state)) == 0
+  assert int(state.spikes.length) == 3
