@@ -207,3 +207,169 @@ class ReferenceAdafactor:
       updates[name] = -u
     self.count += 1
     return updates
+
+
+# The spike rule (``skip_spikes``), restated from safefactor's docstring: the floor on the
+# standard deviation is this fraction of the mean's magnitude.
+SPIKE_STD_FLOOR = 0.02
+
+
+def spike_limit(history: list[float], threshold: float) -> float:
+  """``mean + k max(s, 0.02 |mean|)`` over ``history`` (the finite values recorded), in
+  float64; NaN for fewer than two values (no sample standard deviation)."""
+  values = np.asarray(history, np.float64)
+  if len(values) < 2:
+    return np.nan
+  mean = values.mean()
+  return mean + threshold * max(values.std(ddof=1), SPIKE_STD_FLOOR * abs(mean))
+
+
+@dataclass
+class LastSpike:
+  """What the reports name for the last skipped spike."""
+
+  step: int
+  statistic: str  # "gradient norm" or "loss": the gradient norm when both spiked
+  value: float
+  limit: float
+  leaf: str  # the leaf whose gradient norm was largest at that step
+  leaf_norm: float
+
+
+@dataclass
+class ReferenceSpikeRule:
+  """The guard with spike skipping, in float64: the verdicts, counters and reports.
+
+  A step is non-finite when a leaf's gradient is (or its state, named in ``step``): it is
+  skipped and counted per leaf, never judged as a spike, and not recorded. A finite step
+  is a spike when its gradient norm, or its loss when one is given, is finite and above
+  :func:`spike_limit` of that statistic's recorded history (for the loss, its finite
+  entries), once that history holds at least ``window // 2`` values. A spike is skipped
+  while fewer than ``window // 2`` spikes were skipped in a row; the next one is taken
+  and the history restarts from it. An applied step is recorded (its loss NaN when none
+  was given, or not finite) when its gradient norm is finite; the ring keeps the last
+  ``window`` records. ``leaf_names`` are the params' paths in tree order.
+  """
+
+  threshold: float
+  window: int
+  leaf_names: list[str]
+  norms: list[float] = field(default_factory=list)  # the ring, in slot order
+  losses: list[float] = field(default_factory=list)
+  position: int = 0  # the slot the next record goes to
+  length: int = 0  # the filled slots: the first ``length`` of the ring
+  steps: int = 0
+  skipped_steps: int = 0
+  consecutive_skips: int = 0  # non-finite skips since the last applied step
+  skipped_spikes: int = 0
+  consecutive_spikes: int = 0
+  nonfinite: dict = field(default_factory=dict)  # per leaf: (count, last step)
+  last_spike: LastSpike | None = None
+
+  def __post_init__(self):
+    self.norms = [np.nan] * self.window
+    self.losses = [np.nan] * self.window
+
+  def recorded_norms(self) -> list[float]:
+    return self.norms[:self.length]
+
+  def recorded_losses(self) -> list[float]:
+    return self.losses[:self.length]
+
+  def limits(self) -> tuple[float, float]:
+    """The gradient norm's and the loss's limits for the next step (NaN: none)."""
+    losses = [x for x in self.recorded_losses() if np.isfinite(x)]
+    return (spike_limit(self.recorded_norms(), self.threshold),
+            spike_limit(losses, self.threshold))
+
+  def _is_spike(self, recorded: list[float], value: float) -> bool:
+    recorded = [x for x in recorded if np.isfinite(x)]
+    if not np.isfinite(value) or len(recorded) < self.window // 2:
+      return False
+    return bool(value > spike_limit(recorded, self.threshold))
+
+  def step(self, grads: dict, loss: float | None = None, nonfinite_state=()) -> str:
+    """One ``update`` call on ``grads`` (a dict of arrays, by leaf path, in tree order),
+    with ``value=loss`` when ``loss`` is not None; ``nonfinite_state`` names leaves whose
+    optimizer state is not finite. Returns ``"nonfinite"``, ``"spike"`` (skipped),
+    ``"restart"`` (a spike taken at the bound) or ``"applied"``."""
+    step = self.steps
+    self.steps += 1
+    sums = {name: float(np.sum(np.abs(np.asarray(g).astype(np.complex128)) ** 2))
+            for name, g in grads.items()}
+    bad = [name for name in self.leaf_names
+           if not np.all(np.isfinite(np.asarray(grads[name]))) or name in nonfinite_state]
+    if bad:
+      for name in bad:
+        count, _ = self.nonfinite.get(name, (0, -1))
+        self.nonfinite[name] = (count + 1, step)
+      self.skipped_steps += 1
+      self.consecutive_skips += 1
+      return "nonfinite"
+    norm = float(np.sqrt(sum(sums.values())))
+    loss = np.nan if loss is None else float(loss)
+    norm_spike = self._is_spike(self.recorded_norms(), norm)
+    loss_spike = self._is_spike(self.recorded_losses(), loss)
+    if (norm_spike or loss_spike) and self.consecutive_spikes < self.window // 2:
+      norm_limit, loss_limit = self.limits()
+      leaf = max(self.leaf_names, key=lambda name: sums[name])
+      self.last_spike = LastSpike(
+          step, "gradient norm" if norm_spike else "loss", norm if norm_spike else loss,
+          norm_limit if norm_spike else loss_limit, leaf, float(np.sqrt(sums[leaf])))
+      self.skipped_steps += 1
+      self.skipped_spikes += 1
+      self.consecutive_spikes += 1
+      return "spike"
+    # A spike skip leaves the run of non-finite skips as it was; an applied step ends both.
+    self.consecutive_spikes = self.consecutive_skips = 0
+    restart = norm_spike or loss_spike
+    if np.isfinite(norm):
+      if restart:
+        self.position = self.length = 0
+      self.norms[self.position] = norm
+      self.losses[self.position] = loss if np.isfinite(loss) else np.nan
+      self.position = (self.position + 1) % self.window
+      self.length = min(self.length + 1, self.window)
+    return "restart" if restart else "applied"
+
+  def report(self) -> dict:
+    """``osf.nonfinite_report`` of a state holding this one guard."""
+    report = {"skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+              "steps": self.steps}
+    for name, (count, last) in self.nonfinite.items():
+      report[f"nonfinite_steps/{name}"] = count
+      report[f"last_nonfinite_step/{name}"] = last
+    report["skipped_spikes"] = self.skipped_spikes
+    report["consecutive_spikes"] = self.consecutive_spikes
+    spike = self.last_spike
+    if spike is not None:
+      report["last_spike_step"] = spike.step
+      report[f"last_spike_{spike.statistic.replace(' ', '_')}"] = spike.value
+      report["last_spike_limit"] = spike.limit
+      report[f"last_spike_largest_gradient/{spike.leaf}"] = spike.leaf_norm
+    report["total_skipped_steps"] = self.skipped_steps
+    return report
+
+  def spike_clause(self, value: float, limit: float) -> str:
+    """``osf.nonfinite_summary``'s clause on spikes, the value and limit (as the state
+    holds them, in float32) formatted as it does."""
+    spikes = f"{self.skipped_spikes} spike{'' if self.skipped_spikes == 1 else 's'}"
+    spike = self.last_spike
+    return (f"{spikes} (last at step {spike.step}: {spike.statistic} {value:.4g} > limit "
+            f"{limit:.4g}, largest in {spike.leaf})")
+
+  def summary_start(self) -> str:
+    """The start of ``osf.nonfinite_summary``, up to the non-finite leaves' names."""
+    steps = f"{self.steps} step{'' if self.steps == 1 else 's'}"
+    if self.steps == 0:
+      return "no steps yet"
+    if self.skipped_steps == 0:
+      return f"no skipped steps in {steps}"
+    if self.skipped_spikes == 0:
+      return (f"skipped {self.skipped_steps} of {steps} ({self.consecutive_skips} in a row); "
+              "non-finite: ")
+    start = f"skipped {self.skipped_steps} of {steps}; "
+    nonfinite = self.skipped_steps - self.skipped_spikes
+    if nonfinite:
+      start += f"{nonfinite} non-finite ({self.consecutive_skips} in a row): "
+    return start

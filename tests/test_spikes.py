@@ -1,7 +1,7 @@
 """Spike skipping (``skip_spikes``): the rule against a NumPy restatement, and its contract.
 
-The reference below restates the rule from its docstring (``optax_safefactor._src.spikes``)
-in float64 over the recorded statistics; the tests compare the exact positions of the
+The reference (``tests.reference.ReferenceSpikeRule``) restates the rule from its
+docstring in float64 over the recorded statistics; the tests compare the exact positions of the
 skipped steps, the counters and the runs' bits.
 """
 
@@ -17,43 +17,23 @@ from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
 from tests.helpers import assert_trees_bitwise_equal, assert_trees_close, is_all_zero
+from tests.reference import ReferenceSpikeRule
 
 SHAPES = {"w": (12, 9), "b": (9,)}
 
 
 def reference_skips(norms, losses=None, *, threshold, window, nonfinite=()):
-  """The spike rule in float64: per step, "spike", "nonfinite" or "applied".
+  """The spike rule in float64 (``tests.reference.ReferenceSpikeRule``): per step,
+  "spike", "nonfinite" or "applied" (a spike taken at the bound is applied).
 
   ``norms`` (and ``losses``, NaN for a step without one) are each step's statistics.
   """
-  history: list[tuple[float, float]] = []
-  consecutive = 0
+  rule = ReferenceSpikeRule(threshold, window, ["g"])
   verdicts = []
   for step, norm in enumerate(norms):
-    loss = np.nan if losses is None else losses[step]
-    if step in nonfinite:
-      verdicts.append("nonfinite")
-      continue
-
-    def is_spike(values, value):
-      values = np.asarray([v for v in values if np.isfinite(v)], np.float64)
-      if not np.isfinite(value) or len(values) < window // 2 or len(values) < 2:
-        return False
-      mean = values.mean()
-      std = max(values.std(ddof=1), 0.02 * abs(mean))
-      return value > mean + threshold * std
-
-    spike = (is_spike([h[0] for h in history], norm)
-             or is_spike([h[1] for h in history], loss))
-    if spike and consecutive < window // 2:
-      consecutive += 1
-      verdicts.append("spike")
-      continue
-    if spike:
-      history = []
-    consecutive = 0
-    history = ([*history, (norm, loss)])[-window:]
-    verdicts.append("applied")
+    loss = None if losses is None else losses[step]
+    verdict = rule.step({"g": np.asarray([np.nan if step in nonfinite else norm])}, loss)
+    verdicts.append("applied" if verdict == "restart" else verdict)
   return verdicts
 
 
@@ -369,6 +349,7 @@ def test_the_threshold_is_injectable_without_a_recompile():
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     (dict(skip_spikes=0.0), ValueError, "skip_spikes must be a positive number"),
     (dict(skip_spikes=float("nan")), ValueError, "skip_spikes must be a positive number"),
+    (dict(skip_spikes=-6.0), ValueError, "skip_spikes must be a positive number"),
     (dict(skip_spikes="6"), TypeError, "skip_spikes must be a number"),
     (dict(skip_spikes=6.0, spike_window=1), ValueError, "spike_window must be an int of at "
                                                         "least 2"),
@@ -453,3 +434,57 @@ def test_value_is_silent_with_spikes_on_or_off(subject):
                         optax.contrib.reduce_on_plateau(patience=2))
     with jax.numpy_dtype_promotion("standard"):  # reduce_on_plateau mixes int32 and float32
       chain.update(params, chain.init(params), params, value=jnp.float32(1.0))
+
+
+def _reference_run(tx, grads, values=None, window=4):
+  """Per step, whether ``tx`` skipped it, and the restatement's verdicts."""
+  params = jax.tree.map(jnp.zeros_like, grads[0])
+  state = tx.init(params)
+  rule = ReferenceSpikeRule(6.0, window, [f"params['{k}']" for k in sorted(params)])
+  skipped, verdicts = [], []
+  for step, g in enumerate(grads):
+    extra = {} if values is None else {"value": values[step]}
+    updates, state = tx.update(g, state, params, **extra)
+    skipped.append(all(is_all_zero(u) for u in jax.tree.leaves(updates)))
+    loss = None if values is None else float(np.ravel(values[step])[0])
+    verdicts.append(rule.step({f"params['{k}']": np.asarray(v) for k, v in g.items()}, loss))
+  return state, skipped, verdicts
+
+
+def test_the_smallest_window_judges_from_two_steps():
+  # spike_window=2, the least allowed: the limit needs two steps of history.
+  grads = [{"w": jnp.full(4, scale)} for scale in (1.0, 1.0, 50.0, 1.0)]
+  state, skipped, verdicts = _reference_run(osf.safefactor(0.1, skip_spikes=6.0, spike_window=2),
+                                            grads, window=2)
+  assert skipped == [False, False, True, False]
+  assert verdicts == ["applied", "applied", "spike", "applied"]
+  assert int(osf.skipped_spikes(state)) == 1
+
+
+def test_a_loss_of_shape_1_is_judged_as_the_scalar():
+  grads = [{"w": jnp.full(4, 1.0)}] * 5
+  values = [jnp.full([1], loss, jnp.float32) for loss in (2.0, 2.0, 2.0, 2.0, 20.0)]
+  state, skipped, verdicts = _reference_run(
+      osf.safefactor(0.1, skip_spikes=6.0, spike_window=4), grads, values)
+  assert skipped == [False] * 4 + [True] and verdicts[-1] == "spike"
+  assert osf.nonfinite_report(state)["last_spike_loss"] == 20.0
+
+
+def test_a_complex_gradient_norm_counts_both_parts():
+  grads = [{"z": jnp.asarray([1 + 2j, 3 - 1j, 0.5j], jnp.complex64) * scale}
+           for scale in (1.0, 1.1, 0.9, 1.0, 1.3)]
+  state, skipped, verdicts = _reference_run(
+      osf.safefactor(0.1, skip_spikes=6.0, spike_window=8), grads, window=8)
+  np.testing.assert_allclose(np.asarray(state.spikes.gradient_norms)[:5],
+                             [np.linalg.norm(np.asarray(g["z"])) for g in grads], rtol=1e-6)
+  assert skipped == [v == "spike" for v in verdicts]
+
+
+@pytest.mark.parametrize("subject", sorted(SUBJECTS))
+def test_an_empty_tree_steps_with_spikes_on(subject):
+  tx = SUBJECTS[subject](skip_spikes=6.0, spike_window=4)
+  state = tx.init({})
+  for _ in range(3):
+    _, state = tx.update({}, state, {})
+  assert int(state.step) == 3 and int(osf.skipped_spikes(state)) == 0
+  assert int(state.spikes.length) == 3
