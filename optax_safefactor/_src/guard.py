@@ -156,8 +156,8 @@ def record_step(
     for index, name in enumerate(hyperparam_names):
       checkify.check(
           needs_checkify(hyperparams_finite[index]),
-          f"{name}: non-finite hyperparameter at step {{step}} (this step's value of a "
-          "schedule, or an injected value); the step was skipped", step=state.step,
+          f"{name}: non-finite hyperparameter at step {{step}} "
+          f"({reports.HYPERPARAM_SOURCES}); the step was skipped", step=state.step,
       )
     for index, name in enumerate(leaf_names):
       checkify.check(
