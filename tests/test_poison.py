@@ -156,7 +156,13 @@ ONE_CALL_CASES = [
 
 
 def _hyperparam_counts(state):
-  """The hyperparameters the guard counted as non-finite, by name: {} for none."""
+  """The hyperparameters the guard counted as non-finite, by name: {} for none.
+
+  A guard that checks no hyperparameter (skip_nonfinite around a plain optax
+  transformation) keeps no counts at all.
+  """
+  if state.nonfinite_hyperparams is None:
+    return {}, {}
   counts, last = state.nonfinite_hyperparams.host_values()
   return {name: count for name, count in counts.items() if count}, last
 
