@@ -12,6 +12,7 @@ the seed and the timeout rule. Install the tool with ``pip install -e '.[mutatio
   python tools/mutation_score.py --all --count --baseline   # and each module's test time
   python tools/mutation_score.py plan --resume        # finish an interrupted session
   python tools/mutation_score.py --all --summarise    # the doc again, from the sessions
+                                                      # (other labels' sections are kept)
 
 Per module, cosmic-ray's own commands do the work, in a scratch copy of the working tree
 (cosmic-ray mutates files in place; the checkout is never touched): ``cosmic-ray
@@ -338,13 +339,41 @@ def cosmic_ray_version() -> str:
     return "?"
 
 
-def write_doc(section: str) -> None:
+RESULTS_HEADING = "## Results: "
+
+
+def section_label(section: str) -> str:
+  """The label a results section was written under: its heading up to the scope."""
+  return section.removeprefix(RESULTS_HEADING).split(" (", 1)[0]
+
+
+def results_sections(region: str) -> list[str]:
+  """The results region of the doc, one string per "## Results: <label>" section."""
+  sections: list[str] = []
+  for line in region.strip("\n").splitlines(keepends=True):
+    if line.startswith(RESULTS_HEADING) or not sections:
+      sections.append("")
+    sections[-1] += line
+  return [s.rstrip("\n") + "\n" for s in sections if s.strip()]
+
+
+def write_doc(new_sections: list[str]) -> None:
+  """Replaces the sections of the labels just summarised and keeps every other one.
+
+  Each session's .mutation/ holds only its own runs: a summary written from it must not
+  drop the results other sessions measured and wrote down.
+  """
   text = DOC.read_text()
   if BEGIN not in text or END not in text:
     raise SystemExit(f"{DOC} lacks the markers {BEGIN} and {END}")
   head, rest = text.split(BEGIN, 1)
-  tail = rest.split(END, 1)[1]
-  DOC.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
+  region, tail = rest.split(END, 1)
+  replaced = {section_label(s): s for s in new_sections}
+  kept = []
+  for section in results_sections(region):
+    kept.append(replaced.pop(section_label(section), section))
+  kept += replaced.values()
+  DOC.write_text(f"{head}{BEGIN}\n" + "\n".join(kept) + f"{END}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  survived {mutation['start_pos'][0]}: {mutation['operator_name']}: "
               f"{' -> '.join(changed_lines(result['diff']))}")
   if results and not args.no_doc:
-    write_doc(markdown(results, load_verdicts()))
+    verdicts = load_verdicts()
+    by_label: dict[str, list] = {}
+    for meta, s in results:
+      by_label.setdefault(meta["label"], []).append((meta, s))
+    write_doc([markdown(group, verdicts) for group in by_label.values()])
     print(f"wrote {DOC.relative_to(REPO)}")
   return 0
 
