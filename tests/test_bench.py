@@ -16,6 +16,7 @@ import pytest
 
 from optax_safefactor.benchmarks import accumulate, bench, common, rounding, targets, trees
 from optax_safefactor.benchmarks.bench import minimum_traffic_bytes
+from optax_safefactor.benchmarks.compiled import median_of_processes
 
 # The help's small run: 7 leaves compile fast, and at this scale the layers are factored
 # and the norms are not, so both kinds of leaf are measured.
@@ -43,6 +44,34 @@ def test_configs_belong_to_an_accelerator_target(tmp_path):
   result = _bench("--configs", "default", cwd=tmp_path)
   assert result.returncode == 2
   assert "--configs is for an accelerator --target" in result.stderr
+
+
+def test_processes_belong_to_an_accelerator_target(tmp_path):
+  result = _bench("--processes", "3", cwd=tmp_path)
+  assert result.returncode == 2
+  assert "--processes is for an accelerator --target" in result.stderr
+
+
+def test_processes_combine_into_medians_of_one_program():
+  row = {"config": "default", "optimizer": "safefactor", "passes": 5.9, "temp": 0.01,
+         "fusions": 9}
+  optax_row = dict(row, optimizer="optax.adafactor", passes=5.8)
+  runs = [[dict(optax_row, compile_s=o, compile_ratio=1.0),
+           dict(row, compile_s=s, compile_ratio=s / o)]
+          for o, s in ((4.0, 6.0), (5.0, 5.0), (2.0, 4.0), (3.0, 3.3))]
+  combined = median_of_processes(runs)
+  assert [r["optimizer"] for r in combined] == ["optax.adafactor", "safefactor"]
+  assert combined[0]["compile_s"] == 3.5 and combined[0]["compile_ratio"] == 1.0
+  # The ratio is the median of each process's own ratio (1.5, 1.0, 2.0, 1.1), not the
+  # ratio of the medians (4.5 / 3.5).
+  assert combined[1]["compile_s"] == pytest.approx(4.5)
+  assert combined[1]["compile_ratio"] == pytest.approx(1.3)
+  assert combined[1]["compile_runs"] == [6.0, 5.0, 4.0, 3.3]
+  assert combined[1]["passes"] == 5.9 and runs[0][1]["compile_s"] == 6.0  # runs unchanged
+  runs[2][1]["fusions"] = 10
+  with pytest.raises(ValueError, match="default / safefactor: fusions differs between "
+                                       "processes"):
+    median_of_processes(runs)
 
 
 def test_bench_runs_and_writes_json(tmp_path):
@@ -101,7 +130,8 @@ def test_bench_help_documents_every_option_and_duration(tmp_path):
   parser = bench.build_parser()
   actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
   assert {o for a in actions for o in a.option_strings} == {
-      "--trees", "--dtypes", "--scale", "--repetitions", "--target", "--configs", "--json"}
+      "--trees", "--dtypes", "--scale", "--repetitions", "--target", "--configs", "--processes",
+      "--json"}
   assert all(a.help and len(a.help) > 20 for a in actions)
   result = _bench("--help", cwd=tmp_path)
   assert result.returncode == 0

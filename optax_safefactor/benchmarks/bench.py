@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Sequence
@@ -325,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
            f"{', '.join(repr(c) for c in compiled.CONFIGS)} "
            f"({', '.join(repr(c) for c in compiled.DEFAULT_CONFIGS)})")
   parser.add_argument(
+      "--processes", type=common.REPETITIONS, default=1, metavar="N",
+      help="with an accelerator --target, compile every step in N fresh processes, one "
+           "after another, and report the median compile time and the median of its ratios "
+           "to optax's (each taken within one process); the other figures are the "
+           "compiler's, the same in every process (1)")
+  parser.add_argument(
       "--json", type=pathlib.Path, default=None, metavar="FILE",
       help="also write the rows to FILE as JSON: every figure, its spread and the "
            "per-round times in seconds; its folder is created and checked before the run")
@@ -344,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.configs is not None:
     return common.fail(parser.prog, "--configs is for an accelerator --target: on the CPU "
                        "every configuration is timed")
+  if args.processes != 1:
+    return common.fail(parser.prog, "--processes is for an accelerator --target: on the CPU "
+                       "the steps are timed over --repetitions in one process")
   args.trees = args.trees or list(trees.TIMED_BY_DEFAULT)
   print(common.backend_summary(), file=sys.stderr)
   # A full run takes long and can run out of memory on its largest tree: each tree's rows
@@ -380,12 +391,18 @@ def _main_compiled(parser: argparse.ArgumentParser, args: argparse.Namespace,
   print(f"compiling for {target.label}; nothing runs", file=sys.stderr)
   print(compiled.markdown_header(), flush=True)
   rows, started = [], time.perf_counter()
+  configs = args.configs or compiled.DEFAULT_CONFIGS
   for tree in args.trees or COMPILED_BY_DEFAULT:
     for dtype in args.dtypes:
-      measured = compiled.measure(
-          target.name, tree, dtype, args.scale, args.configs or compiled.DEFAULT_CONFIGS,
-          progress=lambda what: print(f"[{time.perf_counter() - started:.0f} s] {what}",
-                                      file=sys.stderr, flush=True))
+      if args.processes == 1:
+        measured = compiled.measure(
+            target.name, tree, dtype, args.scale, configs,
+            progress=lambda what: print(f"[{time.perf_counter() - started:.0f} s] {what}",
+                                        file=sys.stderr, flush=True))
+      else:
+        measured = compiled.median_of_processes([
+            _measured_in_a_new_process(target, tree, dtype, args.scale, configs, process)
+            for process in range(args.processes)])
       rows.extend(measured)
       print(compiled.markdown_rows(measured), flush=True)
       if args.json is not None:
@@ -393,6 +410,20 @@ def _main_compiled(parser: argparse.ArgumentParser, args: argparse.Namespace,
   print()
   print(compiled.LEGEND)
   return 0
+
+
+def _measured_in_a_new_process(target: targets.Target, tree: str, dtype: str, scale: float,
+                               configs: Sequence[str], process: int) -> list[dict]:
+  """One tree and dtype compiled by ``python -m optax_safefactor bench`` in a new process."""
+  with tempfile.TemporaryDirectory(prefix="safefactor-bench-") as folder:
+    out = pathlib.Path(folder) / "rows.json"
+    print(f"process {process + 1}: {target.name} {tree} {dtype}", file=sys.stderr, flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "optax_safefactor", "bench", "--target", target.name,
+         "--trees", tree, "--dtypes", dtype, "--scale", repr(scale), "--configs", *configs,
+         "--json", str(out)],
+        check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ one device of the target (``targets.devices``).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -125,6 +126,35 @@ def measure(target_name: str, tree: str, dtype_name: str, scale: float,
   return rows
 
 
+def median_of_processes(runs: Sequence[Sequence[dict]]) -> list[dict]:
+  """The rows of one tree and dtype measured in several processes, as one set of rows.
+
+  The compiler's figures (passes, temporaries, fusions) must be the same in every run;
+  the compile time is each row's median over the runs, and its ratio the median of the
+  ratios to optax's taken within each run (one process shares its warm-up and its load
+  between the two). ``compile_runs`` keeps every run's seconds.
+
+  >>> row = {"config": "default", "optimizer": "safefactor", "passes": 5.9, "temp": 0.0,
+  ...        "fusions": 9}
+  >>> runs = [[dict(row, compile_s=s, compile_ratio=r)] for s, r in ((8, 1.2), (6, 1.0),
+  ...                                                                (9, 1.4))]
+  >>> [(r["compile_s"], r["compile_ratio"], r["compile_runs"]) for r in median_of_processes(runs)]
+  [(8, 1.2, [8, 6, 9])]
+  """
+  first, combined = runs[0], []
+  for index, row in enumerate(first):
+    same = [run[index] for run in runs]
+    for other in same[1:]:
+      for key in ("config", "optimizer", "passes", "temp", "fusions"):
+        if other[key] != row[key]:
+          raise ValueError(f"{row['config']} / {row['optimizer']}: {key} differs between "
+                           f"processes ({row[key]} and {other[key]}): not one program")
+    combined.append(dict(row, compile_s=statistics.median(r["compile_s"] for r in same),
+                         compile_ratio=statistics.median(r["compile_ratio"] for r in same),
+                         compile_runs=[r["compile_s"] for r in same]))
+  return combined
+
+
 COLUMNS = ("target", "tree", "dtype", "config", "optimizer", "passes (ratio)",
            "floors: exact / guarded", "temporaries", "fusions", "compile (ratio)")
 
@@ -154,5 +184,6 @@ analysis of the GPU program); 3.00 is p - lr * g, the least any step moves. rati
 optax.adafactor's at the same learning rate and momentum. floors: the exact Adafactor
 step's least traffic, and the guarded step's (the old momentum read once more for the
 skip's check). temporaries: XLA's temporary buffers / the params' bytes. compile: trace,
-lower and compile in this process (one compile each: tens of percent between runs)."""
+lower and compile in this process (one compile each: tens of percent between runs), or with
+--processes N the median over N fresh processes."""
 
