@@ -7,8 +7,11 @@ for a given JAX release: they were read off JAX 0.10.2's compilers, and are asse
 only; elsewhere the step must still compile.
 """
 
+import json
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -79,17 +82,27 @@ def _lowered_text(platform_device, tx, shapes):
       placed, state, placed).lower().as_text()
 
 
-@pytest.mark.parametrize("config", [{}, {"momentum": 0.9}, {"param_rounding": "stochastic"}])
+@pytest.mark.parametrize("config", [{}, {"momentum": 0.9}, {"param_rounding": "stochastic"},
+                                    {"param_rounding": "kahan"}])
 def test_each_hint_is_in_the_programs_it_pays_in_only(target, config):
-  # xla_hints: barriers, the exp-routed skip flag and padded small reductions pay on the
-  # CPU only, the scale factors' barrier (unmergeable) on the CPU and GPUs. Lowered for the
-  # CPU all are there; for a TPU none; for a GPU the scale factors' barriers alone.
+  # xla_hints: barriers, the exp-routed skip flag, padded small reductions and bfloat16
+  # roundings on the bit pattern pay on the CPU only, the scale factors' barrier
+  # (unmergeable) on the CPU and GPUs. Lowered for the CPU all are there; for a TPU none;
+  # for a GPU the scale factors' barriers alone.
   tx = osf.safefactor(1e-3, **config)
   shapes = _small_tree("bfloat16")
   on_cpu = _lowered_text(jax.devices("cpu")[0], tx, shapes)
   on_target = _lowered_text(targets.devices(target.name)[0], tx, shapes)
   for hint in ("stablehlo.exponential", "stablehlo.pad"):
     assert hint in on_cpu and hint not in on_target, hint
+  # The write-back's roundings onto bfloat16 (stochastic's landing update, Kahan's
+  # three): integer operations on the CPU, XLA's reduce_precision elsewhere.
+  rounds = "param_rounding" in config
+  assert "stablehlo.reduce_precision" not in on_cpu
+  assert ("stablehlo.reduce_precision" in on_target) == rounds
+  if config.get("param_rounding") == "kahan":  # nothing of it reads a bit pattern there
+    assert "stablehlo.bitcast_convert" in on_cpu
+    assert "stablehlo.bitcast_convert" not in on_target
   barriers = on_target.count("optimization_barrier")
   if target.platform == "tpu":
     assert barriers == 0
@@ -196,3 +209,20 @@ def test_max_consecutive_skips_compiles_for_a_tpu_not_for_a_deviceless_gpu(targe
   elif MEASURED_RELEASE:
     with pytest.raises(Exception, match="Unknown backend"):
       compiled.compile_for(target, tx, _small_tree())
+
+
+def test_the_bench_takes_compile_times_from_fresh_processes(tmp_path):
+  # --processes 2: the rows of two new processes, one program, each compile time kept.
+  target = _required("tpu-v5e")
+  out = tmp_path / "rows.json"
+  result = subprocess.run(
+      [sys.executable, "-m", "optax_safefactor", "bench", "--target", target.name,
+       "--trees", "gpt2-small", "--scale", "0.2", "--dtypes", "float32",
+       "--configs", "default", "--processes", "2", "--json", str(out)],
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = json.loads(out.read_text())
+  assert [(r["optimizer"], len(r["compile_runs"])) for r in rows] == [
+      ("optax.adafactor", 2), ("safefactor", 2)]
+  assert "| tpu-v5e | gpt2-small" in result.stdout
+  assert result.stderr.count("process 2: tpu-v5e gpt2-small float32") == 1

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import compat
+from optax_safefactor._src import compat, xla_hints
 
 DTypeLike = Any
 
@@ -134,6 +134,21 @@ _F32_QUIET_NAN = np.uint32(0x7FC00000)
 
 
 def _bfloat16_grid(x: jax.Array, saturating: bool) -> jax.Array:
+  """float32 ``x`` rounded to nearest even on the bfloat16 grid, as float32.
+
+  In integer operations on the CPU, XLA's ``reduce_precision`` elsewhere
+  (:func:`xla_hints.bit_pattern_rounding`): a rounding no compiler may skip either way.
+  """
+  def plain(v):
+    if saturating:
+      v = saturate(v, jnp.bfloat16)
+    return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+
+  return xla_hints.bit_pattern_rounding(lambda v: _bfloat16_grid_bits(v, saturating), plain,
+                                        x, jnp.float32)
+
+
+def _bfloat16_grid_bits(x: jax.Array, saturating: bool) -> jax.Array:
   """float32 ``x`` rounded to nearest even on the bfloat16 grid, as float32, in integer ops.
 
   ``pattern + 0x7FFF + (bit 16 of pattern)`` with the low 16 bits cleared is IEEE
@@ -185,9 +200,14 @@ def exact_cast(x: jax.Array, dtype: DTypeLike) -> jax.Array:
   """
   dtype = np.dtype(dtype)
   if dtype == np.dtype(jnp.bfloat16) and x.dtype == np.dtype(jnp.float32):
-    high = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16).astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(high, jnp.bfloat16)
+    return xla_hints.bit_pattern_rounding(_top_half, lambda v: v.astype(jnp.bfloat16), x,
+                                          jnp.bfloat16)
   return x.astype(dtype)
+
+
+def _top_half(x: jax.Array) -> jax.Array:
+  high = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16).astype(jnp.uint16)
+  return jax.lax.bitcast_convert_type(high, jnp.bfloat16)
 
 
 def round_to_nearest(x: jax.Array, dtype: DTypeLike, *, saturating: bool = True) -> jax.Array:

@@ -203,6 +203,40 @@ def unmergeable(small: Any) -> Any:
   return jax.tree.unflatten(treedef, _barrier_on(MEASURED_ON_CPU_AND_GPU, leaves))
 
 
+def bit_pattern_rounding(on_the_pattern: Callable[[jax.Array], jax.Array],
+                         plain: Callable[[jax.Array], jax.Array], x: jax.Array,
+                         dtype: Any) -> jax.Array:
+  """``on_the_pattern(x)`` in a program for the CPU, ``plain(x)`` elsewhere: one rounding
+  of float32 ``x`` onto bfloat16, its result in ``dtype``.
+
+  Both give the same values for every normal number, zero, Inf and NaN (a NaN's payload
+  aside); ``plain`` flushes float32 subnormals, which XLA:TPU flushes in its arithmetic
+  anyway. On the CPU the rounding is a few integer operations on the float32 pattern,
+  which vectorise where a float conversion can be a library call per element (CPUs
+  without bfloat16 instructions). On XLA:TPU those operations made the stochastic and
+  Kahan write-backs' fused kernel three times as long as round to nearest's, and the
+  compiler's time grew with it: one bfloat16 (2048, 8192) leaf compiled in 2.4x (stochastic)
+  and 2.0x (Kahan) of nearest's time with them, 1.6x and 1.3x with ``plain``
+  (:data:`MEASURED_ON_CPU`; docs/benchmarks.md). Eager, the pattern is what runs.
+
+  Pinned by ``tests/test_accelerators.py::test_each_hint_is_in_the_programs_it_pays_in_only``
+  (``reduce_precision`` in the accelerators' programs, not in the CPU's).
+
+  Which form runs, shown with two forms that differ (real callers' forms agree):
+
+  >>> step = jax.jit(lambda v: bit_pattern_rounding(lambda a: a + 1, lambda a: a + 2, v,
+  ...                                               jnp.float32))
+  >>> step(jnp.zeros(1, jnp.float32)).tolist()  # lowered for the CPU: the pattern form
+  [1.0]
+  """
+  if not isinstance(x, jax.core.Tracer):
+    return on_the_pattern(x)
+  out = jax.typeof(x).update(dtype=np.dtype(dtype), weak_type=False)
+  (rounded,) = _per_compiler(MEASURED_ON_CPU, lambda v: [on_the_pattern(v)],
+                             lambda v: [plain(v)], [x], [out])
+  return rounded
+
+
 def _unfoldable_rows(runtime_scalar: jax.Array, count: int) -> list[jax.Array]:
   zero = jnp.asarray(runtime_scalar).astype(jnp.float32) * 0.0
   return [jnp.sqrt(jnp.float32(row * row) + zero).astype(jnp.int32) for row in range(count)]
