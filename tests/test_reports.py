@@ -351,3 +351,18 @@ def test_checked_mode_names_the_hyperparameter():
   params = _params()
   error, _ = checkify.checkify(tx.update)(_grads(), tx.init(params), params)
   assert "learning_rate: non-finite hyperparameter at step 0" in error.get()
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_leaves_fill_the_path_budget_exactly_and_no_further(extra):
+  # Each shown leaf is "params['<name>'] x1 (last at step 0)", 30 characters and its name;
+  # two of them fill the 360-character budget with names of 150 and 150, and overrun it
+  # by one with 150 and 151 (then the second is counted, not shown).
+  first, second = "a" * 150, "b" * (150 + extra)
+  params = {first: jnp.ones((2,)), second: jnp.ones((2,)), "clean": jnp.ones((2,))}
+  state = _poisoned_run(params, [{first, second}])
+  shown = f"params['{first}'] x1 (last at step 0)"
+  assert len(shown) + len(f"params['{second}'] x1 (last at step 0)") == 360 + extra
+  tail = f", params['{second}'] x1 (last at step 0)" if not extra else " and 1 more leaf"
+  assert osf.nonfinite_summary(state) == (
+      f"skipped 1 of 1 step (1 in a row); non-finite: {shown}{tail}")
