@@ -213,11 +213,12 @@ def bit_pattern_rounding(on_the_pattern: Callable[[jax.Array], jax.Array],
   aside); ``plain`` flushes float32 subnormals, which XLA:TPU flushes in its arithmetic
   anyway. On the CPU the rounding is a few integer operations on the float32 pattern,
   which vectorise where a float conversion can be a library call per element (CPUs
-  without bfloat16 instructions). On XLA:TPU those operations made the stochastic and
-  Kahan write-backs' fused kernel three times as long as round to nearest's, and the
-  compiler's time grew with it: one bfloat16 (2048, 8192) leaf compiled in 2.4x (stochastic)
-  and 2.0x (Kahan) of nearest's time with them, 1.6x and 1.3x with ``plain``
-  (:data:`MEASURED_ON_CPU`; docs/benchmarks.md). Eager, the pattern is what runs.
+  without bfloat16 instructions). On the accelerators they made the write-back's fused
+  kernel about three times as long as round to nearest's, for the same bytes: the 1B slice's
+  Kahan step in bfloat16 compiled in 2.88x of nearest's time with them and 1.40x with
+  ``plain`` on TPU v5e, 1.57x and 1.33x on H100 (medians of 3 processes, compiled without a
+  device; docs/benchmarks.md). Applied on :data:`MEASURED_ON_CPU`; eager, the pattern is
+  what runs.
 
   Pinned by ``tests/test_accelerators.py::test_each_hint_is_in_the_programs_it_pays_in_only``
   (``reduce_precision`` in the accelerators' programs, not in the CPU's).
