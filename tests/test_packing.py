@@ -103,6 +103,23 @@ def test_which_leaves_are_packed(rng):
   assert sorted(i for unit in units for i in unit.group.owned) == list(range(len(names)))
 
 
+def test_leaves_of_up_to_2048_elements_are_packed_and_empty_ones_never(rng):
+  # The threshold the step-time measurements chose (packing.PACKED_UP_TO's comment), as a
+  # number: a leaf of 2,048 elements is packed, one of 2,049 is stepped alone. A leaf
+  # without elements has nothing to step: it is never packed, and the tree still steps.
+  shapes = {"at0": (2048,), "at1": (32, 64), "over0": (2049,), "over1": (2049,),
+            "empty0": (0,), "empty1": (0, 4)}
+  params = random_tree(rng, shapes)
+  names = list(params)
+  units = _units(params)
+  assert [sorted(names[i] for i in unit.group.owned) for unit in units if unit.packed] == [
+      ["at0", "at1"]]
+  tx = osf.safefactor(1e-3)
+  updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
+  assert updates["empty0"].shape == (0,) and updates["empty1"].shape == (0, 4)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
 @pytest.mark.real_minimum
 def test_kinds_of_few_leaves_are_not_packed():
   few = packing.MIN_LEAVES_TO_PACK - 1
