@@ -488,6 +488,28 @@ def test_transformers_decay_with_parameter_scale_skips_as_a_whole():
   assert float(jnp.abs(updates["w"]).max()) == 0 and int(osf.skipped_steps(state)) == 1
 
 
+@pytest.mark.parametrize("dtype,rtol", [("complex64", 1e-5), ("complex128", 1e-12)])
+def test_transformers_decays_a_complex_param_by_the_rms_of_its_modulus(x64, dtype, rtol):
+  # HF computes the scale as a norm, of |p| for a complex tensor; the decay is
+  # -weight_decay * lr * max(rms(|p|), eps2) * p, complex like p (computed in p's own
+  # precision: complex64 is 32 bits a part), on top of the update without decay.
+  rng = np.random.default_rng(0)
+  shape = (6, 4)
+  p = ((rng.normal(size=shape) + 1j * rng.normal(size=shape)) * 0.02).astype(dtype)
+  g = (rng.normal(size=shape) - 0.5j * rng.normal(size=shape)).astype(dtype)
+  params, grads = {"w": jnp.asarray(p)}, {"w": jnp.asarray(g)}
+  plain, decayed = [osf.presets.transformers(lr=0.05, relative_step=False, weight_decay=wd)
+                    for wd in (0.0, 0.3)]
+  u_plain, _ = plain.update(grads, plain.init(params), params)
+  u_decayed, _ = decayed.update(grads, decayed.init(params), params)
+  scale = max(np.sqrt(np.mean(np.abs(p) ** 2)), 1e-3)
+  expected = np.asarray(u_plain["w"]) - 0.3 * 0.05 * scale * p
+  assert u_decayed["w"].dtype == np.dtype(dtype)
+  np.testing.assert_allclose(np.asarray(u_decayed["w"]), expected, rtol=rtol,
+                             atol=rtol * np.abs(expected).max())
+  assert np.abs(np.imag(expected)).min() > 0  # the imaginary parts are decayed too
+
+
 # Properties over the options -------------------------------------------------------------------
 
 SMALL = {"m": (12, 10), "v": (7,), "s": (2, 6, 5)}
