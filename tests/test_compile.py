@@ -107,6 +107,18 @@ def test_barriers_only_where_values_are_upcast(momentum):
   assert _barriers(narrow, momentum=momentum) == 7
 
 
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_bfloat16_roundings_are_integer_operations_on_the_cpu(mode):
+  # xla_hints.bit_pattern_rounding: the write-back's roundings onto bfloat16 are integer
+  # operations on the float32 pattern in a program for the CPU, where they vectorise; XLA's
+  # reduce_precision is the accelerators' form (tests/test_accelerators.py).
+  params = {"w": jnp.ones((256, 128), jnp.bfloat16)}
+  tx = osf.safefactor(1e-3, param_rounding=mode)
+  lowered = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  assert "stablehlo.reduce_precision" not in lowered
+  assert "stablehlo.bitcast_convert" in lowered
+
+
 def _step_text(tx, params) -> str:
   return jax.jit(_train_step(tx)).lower(params, tx.init(params), params).compile().as_text()
 
