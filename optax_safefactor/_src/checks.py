@@ -431,7 +431,7 @@ def check_update_against_state(grads: Any, params: Any | None, moments: Any,
     per_leaf = jax.tree.structure(grads).flatten_up_to(moments)
   except (ValueError, TypeError):
     per_leaf = None
-  if per_leaf is None or not all(isinstance(m, moment_types) for m in per_leaf):
+  if per_leaf is None or not all([isinstance(m, moment_types) for m in per_leaf]):
     # Not one moment per grad leaf: say where the two trees differ.
     check_same_structure(
         grads, jax.tree.map(lambda _: 0, moments, is_leaf=lambda x: isinstance(x, moment_types)),

@@ -19,7 +19,7 @@ import optax
 from optax_safefactor._src import checks
 from optax_safefactor._src.placement import is_box, unbox
 from optax_safefactor._src.spikes import init_history
-from optax_safefactor._src.trees import find_all, select
+from optax_safefactor._src.trees import find_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,8 @@ class HyperparamCounts:
     (a bool vector in the order of ``names``)."""
     return dataclasses.replace(
         self,
-        counts=select(finite, self.counts, optax.safe_increment(self.counts)),
-        last_step=select(finite, self.last_step, step))
+        counts=jnp.where(finite, self.counts, optax.safe_increment(self.counts)),
+        last_step=jnp.where(finite, self.last_step, step))
 
   def host_values(self) -> tuple[dict[str, int], dict[str, int]]:
     """The counts and last steps as host ints by name."""
@@ -191,6 +191,10 @@ class MicroBatchCounters(NamedTuple):
 # Guard states and micro-batch counters: everything the reports read.
 COUNTER_TYPES = (SkipNonfiniteState, MicroBatchCounters)
 
+#: The counters both kinds keep, each checked to be int32 where a state comes into an
+#: ``update`` (``checks.check_counters``), before anything is traced.
+COUNTER_FIELDS = MicroBatchCounters._fields
+
 
 def per_leaf_counters(params: Any, value: int) -> LeafCounts:
   """One int32 count per param leaf, each at ``value`` (a plain array, even for boxed
@@ -247,9 +251,9 @@ def count_call(counters: Counters, leaf_finite: jax.Array, call_finite: jax.Arra
   (``xla_hints.flag_vector``). ``call_finite`` is False for any skipped call;
   ``spike_skipped`` (when given) is True where the call was skipped as a spike, which
   counts in ``skipped_steps`` but leaves ``consecutive_skips``, the run of non-finite
-  skips, as it was. Nothing but the counters changes.
+  skips, as it was. Nothing but the counters changes. Their dtypes are checked where the
+  state comes in (``checks.check_counters`` with :data:`COUNTER_FIELDS`).
   """
-  checks.check_counters(counters, MicroBatchCounters._fields)
   counts, last = counters.nonfinite_steps, counters.last_nonfinite_step
   if not isinstance(counts, LeafCounts) or not isinstance(last, LeafCounts):
     raise TypeError(
@@ -272,9 +276,9 @@ def count_call(counters: Counters, leaf_finite: jax.Array, call_finite: jax.Arra
                          optax.safe_increment(counters.consecutive_skips)),
       ),
       step=optax.safe_increment(counters.step),
-      nonfinite_steps=dataclasses.replace(counts, counts=select(
+      nonfinite_steps=dataclasses.replace(counts, counts=jnp.where(
           leaf_finite, counts.counts, optax.safe_increment(counts.counts))),
-      last_nonfinite_step=dataclasses.replace(last, counts=select(
+      last_nonfinite_step=dataclasses.replace(last, counts=jnp.where(
           leaf_finite, last.counts, counters.step)),
   )
 

@@ -39,6 +39,7 @@ from jax.experimental import checkify
 from optax_safefactor._src import checks, numerics, reports, spikes, xla_hints
 from optax_safefactor._src.checked_mode import needs_checkify
 from optax_safefactor._src.counters import (
+    COUNTER_FIELDS,
     HyperparamCounts,
     SkipNonfiniteState,
     count_call,
@@ -322,6 +323,7 @@ def skip_nonfinite(
   def update_fn(updates, state, params=None, **extra_args):
     checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
     checks.check_update_inputs(updates, params, any_dtype=True)
+    checks.check_counters(state, COUNTER_FIELDS)
     check_spike_state(state, skip_spikes, spike_window)
     loss = spikes.loss_given(extra_args) if skip_spikes is not None else None
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)

@@ -87,17 +87,27 @@ CHECKED_HYPERPARAMS = ("learning_rate", "weight_decay_rate", "decay_rate", "mome
                        "max_parameter_scale")
 
 
-def _finite_in(value: Any, real_dtypes: set[np.dtype]) -> jax.Array | bool:
-  """Whether ``value`` (a number, an array or ``None``) is finite in every real dtype the
-  step computes in (1e39 is not, in float32); a plain bool when it is known now."""
-  if value is None:
-    return True
-  if not isinstance(value, (jax.Array, jax.core.Tracer)):
-    with np.errstate(over="ignore", invalid="ignore"):
-      return all(bool(np.all(np.isfinite(np.asarray(value).astype(dtype))))
-                 for dtype in real_dtypes)
-  dtypes = sorted(real_dtypes, key=str) or [np.dtype(np.float32)]  # float32 for no leaves
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(value.astype(dtype))) for dtype in dtypes]))
+def _finite_flags(values: dict[str, Any], real_dtypes: set[np.dtype]) -> dict[str, Any]:
+  """Per name, whether its value (a number, an array or ``None``) is finite in every real
+  dtype the step computes in (1e39 is not, in float32): a plain bool where that is known
+  now, else a bool scalar. Plain loops: this runs at every step, for every hyperparameter."""
+  dtypes = sorted(real_dtypes, key=str)
+  flags = {}
+  for name, value in values.items():
+    if value is None:
+      flags[name] = True
+    elif isinstance(value, (jax.Array, jax.core.Tracer)):
+      checked = []
+      for dtype in dtypes or [np.dtype(np.float32)]:  # float32 for a tree of no leaves
+        checked.append(jnp.all(jnp.isfinite(value.astype(dtype))))
+      flags[name] = jnp.all(jnp.stack(checked))
+    else:
+      finite = True
+      with np.errstate(over="ignore", invalid="ignore"):
+        for dtype in dtypes:
+          finite = finite and bool(np.all(np.isfinite(np.asarray(value).astype(dtype))))
+      flags[name] = finite
+  return flags
 
 
 def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
@@ -117,26 +127,25 @@ def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -
   learning_rate = None if hp.learning_rate is None else _value_at(hp.learning_rate, count)
   weight_decay_rate = (None if hp.weight_decay_rate is None
                        else _value_at(hp.weight_decay_rate, count))
-  finite = {
-      "learning_rate": _finite_in(learning_rate, real_dtypes),
-      "weight_decay_rate": _finite_in(weight_decay_rate, real_dtypes),
-      "decay_rate": _beta2_finite(hp, beta2),
-      **{name: _finite_in(getattr(hp, name), real_dtypes) for name in CHECKED_HYPERPARAMS[3:]},
-  }
+  values = {"learning_rate": learning_rate, "weight_decay_rate": weight_decay_rate}
+  for name in CHECKED_HYPERPARAMS[3:]:
+    values[name] = getattr(hp, name)
+  finite = _finite_flags(values, real_dtypes)
+  finite["decay_rate"] = _beta2_finite(hp, beta2)
   return StepValues(
       beta2=beta2,
       learning_rate=learning_rate,
       weight_decay_rate=weight_decay_rate,
-      hyperparams_finite=tuple(finite[name] for name in CHECKED_HYPERPARAMS),
+      hyperparams_finite=tuple([finite[name] for name in CHECKED_HYPERPARAMS]),
   )
 
 
 def _beta2_finite(hp: Hyperparams, beta2: dict[np.dtype, jax.Array]) -> jax.Array | bool:
   """Whether this step's beta2 is finite; True when it is made from numbers checked at
   construction by the power schedule, which is finite for every step."""
-  made_of_numbers = hp.decay_rate_fn is None and not any(
+  made_of_numbers = hp.decay_rate_fn is None and not any([
       isinstance(value, (jax.Array, jax.core.Tracer))
-      for value in (hp.decay_rate, hp.decay_offset, hp.beta2_cap))
+      for value in (hp.decay_rate, hp.decay_offset, hp.beta2_cap)])
   if made_of_numbers or not beta2:
     return True
   return jnp.all(jnp.stack([jnp.isfinite(value) for value in beta2.values()]))

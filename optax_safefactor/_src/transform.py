@@ -104,6 +104,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     checks.check_state_type(state, expected, updates)
     inner = state.inner_state if guarded else state
     checks.check_counters(inner, ("count",))
+    if guarded:
+      checks.check_counters(state, counters.COUNTER_FIELDS)
     checks.check_has_momentum(inner.momentum, hp.momentum)
     checks.check_has_compensation(inner.compensation, keeps_compensation, hp.param_rounding)
     if params is None and hp.needs_params:
@@ -164,13 +166,19 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     treedef = jax.tree.structure(updates)
     columns = [treedef.flatten_up_to(tree) for tree in (
         updates, leaves, inner.second_moment, params_tree, momentum_tree, compensation_tree)]
-    units = packing.units(*columns, enabled=hp.pack_small_leaves)
+    leaf_count = len(columns[0])
+    if hp.pack_small_leaves and leaf_count >= packing.MIN_LEAVES_TO_PACK:
+      units = packing.units(*columns, enabled=True)
+    else:
+      # Too few leaves for a packed group: each leaf is a unit of its own, and packing's
+      # bookkeeping is not entered at all.
+      units = [packing.Unit(packing.Group((index,), (tuple(grad.shape),)), False, index, (index,))
+               for index, grad in enumerate(columns[0])]
     # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups only.
     leaf_inputs = list(zip(*columns, strict=True))
     inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
               else leaf_inputs[unit.index] for unit in units]
     first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]
-    leaf_count = len(columns[0])
 
     def per_leaf(values_by_unit, split):
       flat = [None] * leaf_count
@@ -208,7 +216,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
         for (grad, leaf, moment, param, momentum, compensation), (new_moment, scaling, _)
         in zip(inputs, first_half, strict=True)]
 
-    any_packed = any(unit.packed for unit in units)
+    any_packed = any([unit.packed for unit in units])
     row_index = xla_hints.row_indices(inner.count, packing.ROWS_PER_GROUP) if any_packed else []
 
     def tree_of(values_by_unit):

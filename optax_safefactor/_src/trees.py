@@ -31,10 +31,13 @@ def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
 
 
 def keep_unless_skipped(step_finite: jax.Array | None, new: jax.Array, old: jax.Array) -> jax.Array:
-  """``new``, or ``old`` (exactly) when the step is skipped; ``new`` without a guard."""
+  """``new``, or ``old`` (exactly) when the step is skipped; ``new`` without a guard.
+
+  A state's value and its update share their shape and dtype, so this is ``lax.select``
+  itself (see :func:`select`)."""
   if step_finite is None:
     return new
-  return select(step_finite, new, old)
+  return jax.lax.select(step_finite, new, old)
 
 
 def zero_if_skipped(step_finite: jax.Array | None, update: jax.Array) -> jax.Array:
@@ -124,6 +127,6 @@ def flag_vector(flags: list[jax.Array]) -> jax.Array:
   """Scalar flags, or vectors of them (one per packed leaf), as one bool vector."""
   if not flags:
     return jnp.zeros([0], bool)
-  if all(jnp.ndim(flag) == 0 for flag in flags):
+  if all([jnp.ndim(flag) == 0 for flag in flags]):
     return jnp.stack(flags)
   return jnp.concatenate([jnp.ravel(flag) for flag in flags])
