@@ -74,6 +74,35 @@ def test_processes_combine_into_medians_of_one_program():
     median_of_processes(runs)
 
 
+@pytest.mark.parametrize("failure", ["a process fails", "two processes disagree"])
+def test_a_failed_process_is_one_clear_line(monkeypatch, capsys, failure):
+  # Each process is a whole compile; what went wrong ends the run as one line, not a
+  # traceback, naming the tree, the dtype and the target.
+  row = {"config": "default", "optimizer": "safefactor", "passes": 5.9, "temp": 0.0,
+         "fusions": 9, "compile_s": 1.0, "compile_ratio": 1.0}
+  runs = iter([[row], [dict(row, fusions=10)]])
+
+  def measured(target, tree, dtype, scale, configs, process):
+    if failure == "a process fails" and process == 1:
+      raise subprocess.CalledProcessError(1, ["python"])
+    return next(runs)
+
+  monkeypatch.setattr(targets, "missing_compiler", lambda target: None)
+  monkeypatch.setattr(bench, "_measured_in_a_new_process", measured)
+  status = bench.main(["--target", "tpu-v5e", "--trees", "1b-slice", "--dtypes", "bfloat16",
+                       "--processes", "2"])
+  assert status == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  prefix = "python -m optax_safefactor bench: error: "
+  if failure == "a process fails":
+    assert error == (prefix + "a process compiling 1b-slice / bfloat16 for tpu-v5e failed "
+                     "(exit status 1; its error is printed above); the rows above were "
+                     "measured")
+  else:
+    assert error == (prefix + "1b-slice / bfloat16: default / safefactor: fusions differs "
+                     "between processes (9 and 10): not one program")
+
+
 def test_bench_runs_and_writes_json(tmp_path):
   out = tmp_path / "new" / "bench.json"  # a missing folder is created
   result = _bench(*SMALL_RUN, "--json", str(out), cwd=tmp_path)

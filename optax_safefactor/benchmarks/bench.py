@@ -400,9 +400,16 @@ def _main_compiled(parser: argparse.ArgumentParser, args: argparse.Namespace,
             progress=lambda what: print(f"[{time.perf_counter() - started:.0f} s] {what}",
                                         file=sys.stderr, flush=True))
       else:
-        measured = compiled.median_of_processes([
-            _measured_in_a_new_process(target, tree, dtype, args.scale, configs, process)
-            for process in range(args.processes)])
+        try:
+          measured = compiled.median_of_processes([
+              _measured_in_a_new_process(target, tree, dtype, args.scale, configs, process)
+              for process in range(args.processes)])
+        except subprocess.CalledProcessError as error:
+          return common.fail(parser.prog, f"a process compiling {tree} / {dtype} for "
+                             f"{target.name} failed (exit status {error.returncode}; its "
+                             "error is printed above); the rows above were measured")
+        except ValueError as error:  # the processes compiled different programs
+          return common.fail(parser.prog, f"{tree} / {dtype}: {error}")
       rows.extend(measured)
       print(compiled.markdown_rows(measured), flush=True)
       if args.json is not None:
