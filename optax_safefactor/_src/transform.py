@@ -170,8 +170,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     if hp.pack_small_leaves and leaf_count >= packing.MIN_LEAVES_TO_PACK:
       units = packing.units(*columns, enabled=True)
     else:
-      # Too few leaves for a packed group: each leaf is a unit of its own, and packing's
-      # bookkeeping is not entered at all.
+      # Too few leaves for a packed group: packing's bookkeeping is not entered at all.
       units = [packing.Unit(packing.Group((index,), (tuple(grad.shape),)), False, index, (index,))
                for index, grad in enumerate(columns[0])]
     # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups only.
