@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
+from optax_safefactor._src import kernel
 from tests.helpers import TRANSFORMATIONS, run_steps
 
 
@@ -148,6 +149,34 @@ def test_a_state_cast_whole_is_refused_naming_its_counter(name):
                                       r"int32, got bfloat16 \(a bfloat16 count stops at 256\); "
                                       r"cast only the floating leaves"):
     tx.update(params, _cast(tx.init(params), jnp.bfloat16), params)
+
+
+@pytest.mark.parametrize("guard", ["safefactor", "skip_nonfinite", "accumulate_gradients"])
+def test_a_cast_guard_counter_is_refused_before_any_leaf_is_stepped(guard, monkeypatch):
+  # The guards' counters were checked only when they were counted, after every leaf's
+  # step had been traced (seconds on a large tree) or, eager, run.
+  def stepped(*args, **kwargs):
+    raise AssertionError("a leaf was stepped before the state's counters were checked")
+
+  params = _params()
+  if guard == "safefactor":
+    monkeypatch.setattr(kernel, "leaf_scaling", stepped)
+    tx = osf.safefactor(0.1)
+  elif guard == "skip_nonfinite":
+    tx = osf.skip_nonfinite(optax.GradientTransformation(optax.sgd(0.1).init, stepped))
+  else:
+    tx = osf.accumulate_gradients(optax.GradientTransformation(optax.sgd(0.1).init, stepped),
+                                  2)
+  state = tx.init(params)
+  if guard == "accumulate_gradients":
+    state = state._replace(micro_batches=state.micro_batches._replace(
+        skipped_steps=state.micro_batches.skipped_steps.astype(jnp.float32)))
+    where = "MicroBatchCounters.skipped_steps"
+  else:
+    state = state._replace(skipped_steps=state.skipped_steps.astype(jnp.float32))
+    where = "SkipNonfiniteState.skipped_steps"
+  with pytest.raises(TypeError, match=rf"{where}: a counter must stay int32, got float32"):
+    tx.update(params, state, params)
 
 
 def test_a_state_with_only_its_floating_leaves_cast_counts_exactly():
