@@ -110,6 +110,32 @@ def test_each_hint_is_in_the_programs_it_pays_in_only(target, config):
     assert 0 < barriers < on_cpu.count("optimization_barrier")
 
 
+def _caps(lowered_text):
+  """The op that makes each full-size ``minimum``'s bound (a factored leaf's capped scale;
+  a rounding's clamps have constant bounds, not listed), one level under its broadcast."""
+  defs = dict(re.findall(r"(%[\w#]+)(?::\d+)? = (stablehlo\.\w+)", lowered_text))
+  defs.update({name.split("#")[0]: op for name, op in defs.items()})
+  caps = []
+  for cap in re.findall(r"stablehlo\.minimum %[\w#]+, (%[\w#]+) : tensor<\d+x\d+x", lowered_text):
+    source = re.search(re.escape(cap) + r" = stablehlo\.broadcast_in_dim (%[\w#]+)",
+                       lowered_text)
+    if source:
+      caps.append(defs.get(source[1].split("#")[0]))
+  return caps
+
+
+def test_the_cap_is_each_leafs_own_array_on_the_cpu_only(target):
+  # xla_hints.leaf_cap: on the CPU, cap + poison, the leaf's own small array; on the
+  # accelerators the cap broadcast as it is (one small operand fewer per update kernel
+  # on TPU; on GPUs it passes the scale factors' barrier with them).
+  tx = osf.safefactor(1e-3)
+  shapes = _small_tree("bfloat16")
+  on_cpu = _caps(_lowered_text(jax.devices("cpu")[0], tx, shapes))
+  on_target = _caps(_lowered_text(targets.devices(target.name)[0], tx, shapes))
+  assert on_cpu.count("stablehlo.add") == 2, on_cpu  # the two factored leaves
+  assert len(on_target) >= 4 and "stablehlo.add" not in on_target, on_target
+
+
 CONFIGS = {
     "default": {}, "momentum": {"momentum": 0.9}, "stochastic": {"param_rounding": "stochastic"},
     "kahan": {"param_rounding": "kahan"}, "spikes": {"skip_spikes": 6.0},

@@ -186,13 +186,13 @@ class ScaleFactors(NamedTuple):
     factors: ``(rsqrt(v),)`` for an unfactored leaf;
       :math:`(\sqrt{\mathrm{mean}_R(r)/r},\ 1/\sqrt{c})` for a factored one. Where the
       statistics are checked through the clipping, NaN where they are not finite: the
-      unfactored factor, and the factored column factor (with the cap), carry
+      unfactored factor, and the factored column factor, carry
       :func:`xla_hints.nan_unless_finite` of the statistics.
     cap: the largest product, :math:`1/\sqrt{\text{tiny}}`: reached only where the
       factored estimate :math:`\hat v` underflows the compute dtype; ``None`` for an
       unfactored leaf, whose statistic is floored directly. A scalar, or where the
-      statistics are checked through the clipping, a column-shaped array: the cap, or
-      NaN where the statistics are not finite.
+      statistics are checked through the clipping, a column-shaped array of the cap
+      (:func:`xla_hints.leaf_cap`).
   """
 
   factors: tuple[jax.Array, ...]
@@ -240,9 +240,9 @@ def scale_factors(
     # columns poison their own factor.
     nan_if_bad = xla_hints.nan_unless_finite(root_normaliser,
                                              moment.v_col.astype(stat_dtype))
-    # Carried by the column factor and by the cap alike, so that min(product, cap) is
-    # NaN on every backend (min of two NaN), with no full-size add of its own; and the
-    # cap becomes the leaf's own small array (xla_hints.leaf_cap).
+    # Carried by the column factor, so the product is NaN where a statistic is, with no
+    # full-size add of its own, and jnp.minimum keeps that NaN against the cap. The cap
+    # is column-shaped too, NaN there on the CPU (xla_hints.leaf_cap).
     return ScaleFactors((factors[0], factors[1] + nan_if_bad),
                         xla_hints.leaf_cap(cap, nan_if_bad)), jnp.array(True)
   finite = numerics.all_finite(moment.v_row) & numerics.all_finite(moment.v_col)
