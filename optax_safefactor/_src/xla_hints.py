@@ -306,7 +306,7 @@ def leaf_cap(cap: jax.Array, poison: jax.Array) -> jax.Array:
   leaf's update kernel, which the compiler then placed on chip for some leaves and not
   for others, compiling one kernel per placement: the 1B slice's bfloat16 step had 155
   fusions and moved 5.63 passes with it, and compiled in 1.4x the time it takes without
-  (docs/benchmarks.md, "The cap on XLA:TPU and XLA:GPU").
+  (docs/benchmarks.md, "The cap on TPU v5e and H100").
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary`` (the CPU)
   and ``tests/test_accelerators.py::test_each_hint_is_in_the_programs_it_pays_in_only``.
