@@ -114,7 +114,6 @@ def _caps(lowered_text):
   """The op that makes each full-size ``minimum``'s bound (a factored leaf's capped scale;
   a rounding's clamps have constant bounds, not listed), one level under its broadcast."""
   defs = dict(re.findall(r"(%[\w#]+)(?::\d+)? = (stablehlo\.\w+)", lowered_text))
-  defs.update({name.split("#")[0]: op for name, op in defs.items()})
   caps = []
   for cap in re.findall(r"stablehlo\.minimum %[\w#]+, (%[\w#]+) : tensor<\d+x\d+x", lowered_text):
     source = re.search(re.escape(cap) + r" = stablehlo\.broadcast_in_dim (%[\w#]+)",
