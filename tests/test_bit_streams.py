@@ -266,19 +266,25 @@ def test_write_back_of_a_leaf_beyond_two_to_the_32_elements_rounds_with_the_high
 
 
 def test_safefactor_draws_a_huge_leafs_bits_over_its_whole_shape_and_path(monkeypatch):
-  # Guards against safefactor handing the bits function anything but each array's full
+  # Guards against safefactor handing the bits functions anything but each array's full
   # global shape (so the high word of a 2**32-element leaf's index), its own stream and
   # the hash of the whole path. The update is traced, not run (jax.eval_shape), and every
-  # call of the bits function is recorded; the bits of exactly this shape are checked
-  # above to use the high word. Deterministic: no false alarms.
-  calls = []
-  real_random_bits = bit_streams.random_bits
+  # key computed and every array of bits drawn is recorded (the params' key is computed
+  # with every other narrow param's, as a vector); the bits of exactly this shape are
+  # checked above to use the high word. Deterministic: no false alarms.
+  keys, draws = [], []
+  real_stream_key, real_bits_from_key = bit_streams.stream_key, bit_streams.bits_from_key
 
-  def recording_random_bits(seed, step, leaf_hash, shape, stream):
-    calls.append((tuple(shape), stream, leaf_hash))
-    return real_random_bits(seed, step, leaf_hash, shape, stream)
+  def recording_stream_key(seed, step, leaf_hash, stream):
+    keys.append((tuple(np.ravel(leaf_hash).tolist()), stream))
+    return real_stream_key(seed, step, leaf_hash, stream)
 
-  monkeypatch.setattr(bit_streams, "random_bits", recording_random_bits)
+  def recording_bits_from_key(key, shape):
+    draws.append(tuple(shape))
+    return real_bits_from_key(key, shape)
+
+  monkeypatch.setattr(bit_streams, "stream_key", recording_stream_key)
+  monkeypatch.setattr(bit_streams, "bits_from_key", recording_bits_from_key)
   tx = osf.safefactor(1e-3, momentum=0.9, dtype_momentum="bfloat16", state_dtype="bfloat16",
                       param_rounding="stochastic", rounding_seed=SEED)
   params = {"enc": {"kernel": jax.ShapeDtypeStruct(BIG_SHAPE, jnp.bfloat16)}}
@@ -286,12 +292,9 @@ def test_safefactor_draws_a_huge_leafs_bits_over_its_whole_shape_and_path(monkey
   updates, _ = jax.eval_shape(tx.update, params, state, params)
   assert updates["enc"]["kernel"].shape == BIG_SHAPE
   leaf = path_hash(_keystr("enc", "kernel"))
-  assert sorted(calls) == sorted([
-      ((BIG_SHAPE[0], 1), STREAM_STATISTICS, leaf),
-      ((1, BIG_SHAPE[1]), STREAM_COLUMN_STATISTICS, leaf),
-      (BIG_SHAPE, STREAM_MOMENTUM, leaf),
-      (BIG_SHAPE, STREAM_PARAMS, leaf),
-  ])
+  assert sorted(keys) == sorted([((leaf,), stream) for stream in (
+      STREAM_STATISTICS, STREAM_COLUMN_STATISTICS, STREAM_MOMENTUM, STREAM_PARAMS)])
+  assert sorted(draws) == sorted([(BIG_SHAPE[0], 1), (1, BIG_SHAPE[1]), BIG_SHAPE, BIG_SHAPE])
 
 
 # --- through the public API ----------------------------------------------------------------

@@ -233,9 +233,19 @@ def random_bits(
   Returns:
     A uint32 array of shape ``shape``.
   """
+  return bits_from_key(stream_key(seed, step, path_hash, stream), shape)
+
+
+def bits_from_key(key: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """:func:`random_bits` of ``shape`` from a :func:`stream_key` computed beforehand.
+
+  >>> key = stream_key(0, 3, path_hash("['w']"), STREAM_PARAMS)
+  >>> bool(jnp.all(bits_from_key(key, (2, 3))
+  ...              == random_bits(0, 3, path_hash("['w']"), (2, 3), STREAM_PARAMS)))
+  True
+  """
   shape = tuple(int(size) for size in shape)
   _check_axes(shape)
-  key = stream_key(seed, step, path_hash, stream)
   iotas = [jax.lax.broadcasted_iota(jnp.uint32, shape, axis) for axis in range(len(shape))]
   if int(np.prod(shape, dtype=object)) < _WORD:
     # The flat index fits one word: plain wrapping uint32 arithmetic is exact.

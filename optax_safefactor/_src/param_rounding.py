@@ -153,16 +153,21 @@ def with_param_rounding(
     checks.check_same_structure(updates, inner_updates, "the inner transformation's updates")
     none_tree = jax.tree.map(lambda _: None, updates)
 
-    def write_leaf(path, grad, update, param, compensation):
-      if param is not None and not _is_narrow(param):
-        param = None  # a wide param is never rounded: no bits, no compensation
-      how = None if param is None else write_back.rounding_for(mode, seed, state.count, path)
-      return write_back.write_back(update, param, _dtype(grad), how, compensation)
-
-    written = jax.tree_util.tree_map_with_path(
-        write_leaf, updates, inner_updates, none_tree if params is None else params,
-        state.compensation if keeps_compensation else none_tree,
-    )
+    # A wide param is never rounded: no bits, no compensation.
+    narrow_params = jax.tree.map(lambda p: p if _is_narrow(p) else None,
+                                 none_tree if params is None else params)
+    treedef = jax.tree.structure(updates)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
+    flat_params = treedef.flatten_up_to(narrow_params)
+    roundings = write_back.with_param_keys(
+        [None if param is None else write_back.rounding_for(mode, seed, state.count, path)
+         for path, param in zip(paths, flat_params, strict=True)], flat_params)
+    written = jax.tree.unflatten(treedef, [
+        write_back.write_back(update, param, _dtype(grad), how, compensation)
+        for grad, update, param, how, compensation in zip(
+            treedef.flatten_up_to(updates), treedef.flatten_up_to(inner_updates), flat_params,
+            roundings, treedef.flatten_up_to(state.compensation if keeps_compensation
+                                             else none_tree), strict=True)])
     new_updates, new_compensation = unzip_leaf_results(updates, written, 2)
     return new_updates, ParamRoundingState(
         inner_state=inner_state,

@@ -91,8 +91,11 @@ class Rounding(NamedTuple):
   seed: Any
   step: jax.Array
   path_hash: Any
+  param_key: jax.Array | None = None
 
   def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
+    if self.param_key is not None and stream == bit_streams.STREAM_PARAMS:
+      return bit_streams.bits_from_key(self.param_key, shape)
     if isinstance(self.path_hash, np.ndarray):
       return bit_streams.row_bits(self.seed, self.step, self.path_hash, shape, stream)
     return bit_streams.random_bits(self.seed, self.step, self.path_hash, shape, stream)
@@ -103,6 +106,30 @@ def rounding_for(mode: str, seed: Any, step: jax.Array, path: Any) -> Rounding |
   if mode == "nearest":
     return None
   return Rounding(mode == "stochastic", seed, step, bit_streams.path_hash(path))
+
+
+def with_param_keys(roundings: list[Rounding | None], params: list[Any]) -> list[Rounding | None]:
+  """``roundings`` (one per leaf stepped alone) with the key of each narrow param's bits.
+
+  Each stochastically rounded bfloat16 or float16 param draws its bits from the key of
+  ``(seed, step, its path, the params' stream)``. Computed here for all of them at once,
+  as one vector, each leaf's update reads its key from that vector rather than hashing
+  its path in its own kernel: the path hash was a constant of the leaf's, so no two
+  leaves of one shape could share a compiled kernel (XLA:GPU compiled one per leaf). The
+  keys, and so the bits, are the same as :func:`bit_streams.random_bits` draws.
+  """
+  chosen = [index for index, (how, param) in enumerate(zip(roundings, params, strict=True))
+            if how is not None and how.stochastic and param is not None
+            and is_narrow(param.dtype) and not isinstance(how.path_hash, np.ndarray)]
+  if not chosen:
+    return roundings
+  first = roundings[chosen[0]]
+  hashes = np.array([roundings[index].path_hash for index in chosen], np.uint32)
+  keys = bit_streams.stream_key(first.seed, first.step, hashes, bit_streams.STREAM_PARAMS)
+  keyed = list(roundings)
+  for position, index in enumerate(chosen):
+    keyed[index] = roundings[index]._replace(param_key=keys[position])
+  return keyed
 
 
 def _landing_update_wide(param_wide: jax.Array, target_wide: jax.Array, dtype: DTypeLike):
