@@ -187,6 +187,30 @@ def test_stochastic_rounding_moves_what_nearest_moves(target):
   assert kahan <= nearest + 3.2
 
 
+def _kernels(optimized_text):
+  """The distinct kernels XLA:GPU compiles: its fusions, identical ones counted once."""
+  entry = optimized_text[optimized_text.index("\nENTRY"):]
+  return len({(re.search(r'deduplicated_name="([^"]+)"', line)
+               or re.search(r"calls=%([\w.-]+)", line)).group(1)
+              for line in entry.splitlines() if " fusion(" in line})
+
+
+@pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")
+def test_stochastic_rounding_compiles_one_update_kernel_per_shape_on_a_gpu():
+  # write_back.with_param_keys: with each leaf's path hashed in its own update kernel,
+  # XLA:GPU compiled one update kernel per leaf where round to nearest compiles one per
+  # shape (the 1B slice: 95 kernels against nearest's 68). Six bfloat16 matrices of one
+  # shape: the same kernels as nearest's, and one more that computes every leaf's key.
+  target = _required("h100")
+  shapes = {f"w{i}": jax.ShapeDtypeStruct((512, 256), jnp.bfloat16) for i in range(6)}
+
+  def kernels(**config):
+    program, _ = compiled.compile_for(target, osf.safefactor(1e-3, **config), shapes)
+    return _kernels(program.as_text())
+
+  assert kernels(param_rounding="stochastic") <= kernels() + 1
+
+
 @pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")
 def test_small_leaves_keep_no_scaled_gradient_on_a_gpu():
   # xla_hints.unmergeable on XLA:GPU: 48 leaves of 16K-64K elements (4 layers of the
