@@ -187,28 +187,39 @@ def test_stochastic_rounding_moves_what_nearest_moves(target):
   assert kahan <= nearest + 3.2
 
 
-def _kernels(optimized_text):
-  """The distinct kernels XLA:GPU compiles: its fusions, identical ones counted once."""
+def _fusions(optimized_text):
   entry = optimized_text[optimized_text.index("\nENTRY"):]
+  return [line for line in entry.splitlines() if " fusion(" in line]
+
+
+def _kernels(optimized_text):
+  """The distinct kernels XLA:GPU compiles: its fusions, identical ones counted once, and
+  not the slices of a buffer that it takes without a kernel."""
   return len({(re.search(r'deduplicated_name="([^"]+)"', line)
                or re.search(r"calls=%([\w.-]+)", line)).group(1)
-              for line in entry.splitlines() if " fusion(" in line})
+              for line in _fusions(optimized_text) if "calls=%wrapped_slice" not in line})
 
 
 @pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")
 def test_stochastic_rounding_compiles_one_update_kernel_per_shape_on_a_gpu():
-  # write_back.with_param_keys: with each leaf's path hashed in its own update kernel,
-  # XLA:GPU compiled one update kernel per leaf where round to nearest compiles one per
-  # shape (the 1B slice: 95 kernels against nearest's 68). Six bfloat16 matrices of one
-  # shape: the same kernels as nearest's, and one more that computes every leaf's key.
+  # write_back.with_param_keys and xla_hints.pieces_apart. With each leaf's path hashed in
+  # its own update kernel, XLA:GPU compiled one update kernel per leaf where round to
+  # nearest compiles one per shape (the 1B slice: 95 kernels against nearest's 68); with
+  # the keys read from one vector, it fused the updates of every leaf of a shape into one
+  # multi-output kernel. Six bfloat16 matrices of one shape: the same kernels as
+  # nearest's and one that computes every leaf's key, each writing one leaf's update.
   target = _required("h100")
-  shapes = {f"w{i}": jax.ShapeDtypeStruct((512, 256), jnp.bfloat16) for i in range(6)}
+  shape = (512, 256)
+  shapes = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.bfloat16) for i in range(6)}
 
-  def kernels(**config):
-    program, _ = compiled.compile_for(target, osf.safefactor(1e-3, **config), shapes)
-    return _kernels(program.as_text())
+  def program(**config):
+    return compiled.compile_for(target, osf.safefactor(1e-3, **config), shapes)[0].as_text()
 
-  assert kernels(param_rounding="stochastic") <= kernels() + 1
+  stochastic = program(param_rounding="stochastic")
+  assert _kernels(stochastic) <= _kernels(program()) + 1
+  leaf_outputs = [line.split(" fusion(")[0].count(f"bf16[{shape[0]},{shape[1]}]")
+                  for line in _fusions(stochastic)]
+  assert max(leaf_outputs) == 1
 
 
 @pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")

@@ -281,5 +281,12 @@ def row_bits(seed: Any, step: Any, path_hashes: np.ndarray, shape: Sequence[int]
     raise ValueError(f"row_bits needs one path hash per row of a 2-D shape, got "
                      f"{len(path_hashes)} hashes for shape {shape}")
   _check_axes(shape)
-  key = stream_key(seed, step, np.asarray(path_hashes, np.uint32)[:, None], stream)
-  return index_bits(key, jax.lax.broadcasted_iota(jnp.uint32, shape, 1), 0)
+  return row_bits_from_keys(stream_key(seed, step, np.asarray(path_hashes, np.uint32), stream),
+                            shape)
+
+
+def row_bits_from_keys(keys: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """:func:`row_bits` of ``shape`` from the rows' :func:`stream_key` vector computed beforehand."""
+  shape = tuple(int(size) for size in shape)
+  _check_axes(shape)
+  return index_bits(keys[:, None], jax.lax.broadcasted_iota(jnp.uint32, shape, 1), 0)

@@ -173,16 +173,15 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       # Too few leaves for a packed group: packing's bookkeeping is not entered at all.
       units = [packing.Unit(packing.Group((index,), (tuple(grad.shape),)), False, index, (index,))
                for index, grad in enumerate(columns[0])]
-    if rounds_onto_params:
-      alone = [unit.index for unit in units if not unit.packed]
-      roundings = write_back.with_param_keys([columns[1][index].rounding for index in alone],
-                                             [columns[3][index] for index in alone])
-      for index, rounding in zip(alone, roundings, strict=True):
-        columns[1][index] = columns[1][index]._replace(rounding=rounding)
     # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups only.
     leaf_inputs = list(zip(*columns, strict=True))
     inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
-              else leaf_inputs[unit.index] for unit in units]
+              else list(leaf_inputs[unit.index]) for unit in units]
+    if rounds_onto_params:
+      roundings = write_back.with_param_keys([leaf.rounding for _, leaf, *_ in inputs],
+                                             [param for _, _, _, param, *_ in inputs])
+      for unit_inputs, rounding in zip(inputs, roundings, strict=True):
+        unit_inputs[1] = unit_inputs[1]._replace(rounding=rounding)
     first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]
 
     def per_leaf(values_by_unit, split):

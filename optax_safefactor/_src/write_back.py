@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_safefactor._src import bit_streams, numerics
+from optax_safefactor._src import bit_streams, numerics, xla_hints
 from optax_safefactor._src.rounding import (
     exact_cast,
     needs_rounding,
@@ -94,9 +94,11 @@ class Rounding(NamedTuple):
   param_key: jax.Array | None = None
 
   def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
+    rows = isinstance(self.path_hash, np.ndarray)
     if self.param_key is not None and stream == bit_streams.STREAM_PARAMS:
-      return bit_streams.bits_from_key(self.param_key, shape)
-    if isinstance(self.path_hash, np.ndarray):
+      return (bit_streams.row_bits_from_keys(self.param_key, shape) if rows
+              else bit_streams.bits_from_key(self.param_key, shape))
+    if rows:
       return bit_streams.row_bits(self.seed, self.step, self.path_hash, shape, stream)
     return bit_streams.random_bits(self.seed, self.step, self.path_hash, shape, stream)
 
@@ -109,26 +111,33 @@ def rounding_for(mode: str, seed: Any, step: jax.Array, path: Any) -> Rounding |
 
 
 def with_param_keys(roundings: list[Rounding | None], params: list[Any]) -> list[Rounding | None]:
-  """``roundings`` (one per leaf stepped alone) with the key of each narrow param's bits.
+  """``roundings`` (one per unit the kernel steps) with the keys of narrow params' bits.
 
   Each stochastically rounded bfloat16 or float16 param draws its bits from the key of
-  ``(seed, step, its path, the params' stream)``. Computed here for all of them at once,
-  as one vector, each leaf's update reads its key from that vector rather than hashing
-  its path in its own kernel: the path hash was a constant of the leaf's, so no two
-  leaves of one shape could share a compiled kernel (XLA:GPU compiled one per leaf). The
-  keys, and so the bits, are the same as :func:`bit_streams.random_bits` draws.
+  ``(seed, step, its path, the params' stream)``; leaves packed as rows have one per row.
+  Computed here for all of them at once, as one vector, each unit's update reads its keys
+  from that vector rather than hashing paths in its own kernel: a path hash was a constant
+  of the leaf's, so no two leaves of one shape could share a compiled kernel (XLA:GPU
+  compiled one per leaf), and a packed group hashed every row's path element by element.
+  The keys, and so the bits, are the same as :func:`bit_streams.random_bits` and
+  :func:`bit_streams.row_bits` draw.
   """
   chosen = [index for index, (how, param) in enumerate(zip(roundings, params, strict=True))
             if how is not None and how.stochastic and param is not None
-            and is_narrow(param.dtype) and not isinstance(how.path_hash, np.ndarray)]
+            and is_narrow(param.dtype)]
   if not chosen:
     return roundings
   first = roundings[chosen[0]]
-  hashes = np.array([roundings[index].path_hash for index in chosen], np.uint32)
-  keys = bit_streams.stream_key(first.seed, first.step, hashes, bit_streams.STREAM_PARAMS)
+  hashes = [np.ravel(np.asarray(roundings[index].path_hash, np.uint32)) for index in chosen]
+  keys = bit_streams.stream_key(first.seed, first.step, np.concatenate(hashes),
+                                bit_streams.STREAM_PARAMS)
+  stops = np.cumsum([unit_hashes.size for unit_hashes in hashes]).tolist()
+  pieces = xla_hints.pieces_apart(keys, [(stop - unit_hashes.size, stop) for stop, unit_hashes
+                                         in zip(stops, hashes, strict=True)])
   keyed = list(roundings)
-  for position, index in enumerate(chosen):
-    keyed[index] = roundings[index]._replace(param_key=keys[position])
+  for index, piece in zip(chosen, pieces, strict=True):
+    rows = isinstance(roundings[index].path_hash, np.ndarray)
+    keyed[index] = roundings[index]._replace(param_key=piece if rows else piece.reshape(()))
   return keyed
 
 
