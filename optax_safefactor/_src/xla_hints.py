@@ -2,10 +2,11 @@
 
 Each helper changes how XLA fuses or schedules the step, never what it computes, and
 each names the compilers on which it was measured to pay (:data:`MEASURED_ON_CPU`,
-:data:`MEASURED_ON_CPU_AND_GPU`): it is applied only there. Elsewhere the helper is the
-plain computation it stands for, so that on XLA:TPU the step is the algorithm as written,
-and on XLA:GPU it keeps one barrier (docs/benchmarks.md, "Accelerator compilers": the CPU's
-hints cost the TPU program 13-18% more memory traffic).
+:data:`MEASURED_ON_CPU_AND_GPU`, :data:`MEASURED_ON_GPU`): it is applied only there.
+Elsewhere the helper is the plain computation it stands for, so that on XLA:TPU the step is
+the algorithm as written, and on XLA:GPU it keeps two barriers, on the scale factors and on
+stochastic rounding's keys (docs/benchmarks.md, "Accelerator compilers": the CPU's hints
+cost the TPU program 13-18% more memory traffic).
 
 The choice is made when the program is lowered for a platform, not when it is traced: a
 step traced on a CPU host and compiled for a TPU (ahead of time, or by
@@ -252,9 +253,10 @@ def pieces_apart(vector: jax.Array, bounds: Sequence[tuple[int, int]]) -> list[j
   each piece is an array of its own (a slice of the vector's buffer, which XLA:GPU takes
   without a kernel), so no two updates read one array. GPT-2 small in bfloat16 on H100,
   compiled without a device: 115 kernels and 25.0k lines of PTX without it, 97 and 14.1k
-  with it (round to nearest: 95 and 12.8k); compiled in 1.91x and 1.47x of nearest's time
-  (medians of 3 processes). On XLA:TPU the program compiled to the same code either way
-  (the 1B slice: 286,509 and 286,521 lines), so it is applied on :data:`MEASURED_ON_GPU`.
+  with it (round to nearest: 95 and 12.8k); compiled in 1.69x and 1.54x of nearest's time
+  (medians of 3 processes; docs/benchmarks.md, "Stochastic rounding's keys on H100"). On
+  XLA:TPU the program compiled to the same code either way (the 1B slice: 286,509 and
+  286,521 lines), so it is applied on :data:`MEASURED_ON_GPU`.
 
   Pinned by ``tests/test_accelerators.py::``
   ``test_stochastic_rounding_compiles_one_update_kernel_per_shape_on_a_gpu``.
