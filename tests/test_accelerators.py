@@ -201,7 +201,7 @@ def _kernels(optimized_text):
 
 
 @pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")
-def test_stochastic_rounding_compiles_one_update_kernel_per_shape_on_a_gpu():
+def test_stochastic_updates_share_kernels_on_a_gpu():
   # write_back.with_param_keys and xla_hints.pieces_apart. With each leaf's path hashed in
   # its own update kernel, XLA:GPU compiled one update kernel per leaf where round to
   # nearest compiles one per shape (the 1B slice: 95 kernels against nearest's 68); with

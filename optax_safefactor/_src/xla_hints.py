@@ -258,8 +258,7 @@ def pieces_apart(vector: jax.Array, bounds: Sequence[tuple[int, int]]) -> list[j
   XLA:TPU the program compiled to the same code either way (the 1B slice: 286,509 and
   286,521 lines), so it is applied on :data:`MEASURED_ON_GPU`.
 
-  Pinned by ``tests/test_accelerators.py::``
-  ``test_stochastic_rounding_compiles_one_update_kernel_per_shape_on_a_gpu``.
+  Pinned by ``tests/test_accelerators.py::test_stochastic_updates_share_kernels_on_a_gpu``.
 
   >>> [piece.tolist() for piece in pieces_apart(jnp.arange(5), [(0, 1), (1, 4)])]
   [[0], [1, 2, 3]]
