@@ -539,6 +539,40 @@ def test_kahan_saturates_at_the_largest_value():
   assert np.isnan(_f64(nan_update)[0]) and np.isinf(_f64(nan_update)[1])
 
 
+@pytest.mark.parametrize("dtype", NARROW)
+@given(data=st.data())
+def test_kahan_keeps_a_finite_compensation_within_the_range(dtype, data):
+  # Params anywhere in the range, float32 updates up to float32's largest value: wherever
+  # the update lands on a finite param, the compensation is finite and within the
+  # narrow range, saturated where the true remainder is beyond it (float16's range is
+  # far smaller than float32's), and it is the remainder itself everywhere else.
+  largest = float(jnp.finfo(dtype).max)
+  wide_largest = float(jnp.finfo(jnp.float32).max)
+  # Every pair of these edges, then drawn values.
+  edge_params = [largest, -largest, largest / 2, 1.0, 0.0]
+  edge_updates = [wide_largest / 2, -wide_largest / 2, 1e36, -1e36, 1e6, -1e6, largest]
+  params = [p for p in edge_params for _ in edge_updates] + data.draw(
+      st.lists(st.floats(-largest, largest, width=32), min_size=16, max_size=16))
+  updates = edge_updates * len(edge_params) + data.draw(
+      st.lists(st.floats(-wide_largest / 2, wide_largest / 2, width=32), min_size=16,
+               max_size=16))
+  param = jnp.asarray(params, jnp.float32).astype(dtype)
+  exact_update = jnp.asarray(updates, jnp.float32)
+  update, compensation = jax.jit(kahan_write_back)(param, exact_update, jnp.zeros_like(param))
+  arrived = _f64(optax.apply_updates(param, update))
+  landed_finite = np.isfinite(arrived)
+  comp = _f64(compensation)[landed_finite]
+  assert np.all(np.isfinite(comp)) and np.all(np.abs(comp) <= largest)
+  exact = np.asarray(param.astype(jnp.float32) + exact_update, np.float64)[landed_finite]
+  remainder = exact - arrived[landed_finite]
+  inside = np.abs(remainder) <= largest
+  # XLA flushes float32 subnormals inside jit: those remainders are left out.
+  inside &= ~((0 < np.abs(remainder)) & (np.abs(remainder) < float(jnp.finfo(jnp.float32).tiny)))
+  np.testing.assert_array_equal(
+      comp[inside], _f64(jnp.asarray(remainder[inside], jnp.float32).astype(dtype)))
+  np.testing.assert_array_equal(comp[~inside], np.sign(remainder[~inside]) * largest)
+
+
 # --- with_param_rounding ---------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from optax_safefactor._src import bit_streams, numerics, xla_hints
@@ -245,7 +246,14 @@ def kahan_write_back(
   # rounding per step of the formula and no conversion pair for a compiler to drop.
   update = _landing_update_wide(param_wide, on_grid(exact, dtype), dtype)
   remainder = exact - _landed_wide(param_wide, update, dtype)
-  return exact_cast(update, dtype), round_to_nearest(remainder, dtype)
+  # Where the narrow dtype has the wide one's range (bfloat16 in float32) a finite
+  # remainder is far inside it, so it needs no clamp: the landing misses the target by at
+  # most an ulp of the larger of param and target (or, where the update saturates, by what
+  # the difference passed the largest value), and the target misses ``exact`` by half an
+  # ulp (or by what ``exact`` passed the largest value), each under 2**-7 of that value.
+  # float16's range is smaller than a float32 ``exact`` can be: there it is clamped.
+  same_range = jnp.finfo(dtype).maxexp == jnp.finfo(wide).maxexp
+  return exact_cast(update, dtype), round_to_nearest(remainder, dtype, saturating=not same_range)
 
 
 def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
