@@ -276,11 +276,6 @@ def row_bits(seed: Any, step: Any, path_hashes: np.ndarray, shape: Sequence[int]
   >>> bool(jnp.all(rows[1] == alone.reshape(-1)))
   True
   """
-  shape = tuple(int(size) for size in shape)
-  if len(shape) != 2 or shape[0] != len(path_hashes):
-    raise ValueError(f"row_bits needs one path hash per row of a 2-D shape, got "
-                     f"{len(path_hashes)} hashes for shape {shape}")
-  _check_axes(shape)
   return row_bits_from_keys(stream_key(seed, step, np.asarray(path_hashes, np.uint32), stream),
                             shape)
 
@@ -288,5 +283,8 @@ def row_bits(seed: Any, step: Any, path_hashes: np.ndarray, shape: Sequence[int]
 def row_bits_from_keys(keys: jax.Array, shape: Sequence[int]) -> jax.Array:
   """:func:`row_bits` of ``shape`` from the rows' :func:`stream_key` vector computed beforehand."""
   shape = tuple(int(size) for size in shape)
+  if len(shape) != 2 or keys.shape != shape[:1]:
+    raise ValueError(f"row bits need one path hash per row of a 2-D shape (a key each), got "
+                     f"{keys.size} for shape {shape}")
   _check_axes(shape)
   return index_bits(keys[:, None], jax.lax.broadcasted_iota(jnp.uint32, shape, 1), 0)

@@ -156,8 +156,9 @@ def with_param_rounding(
     # A wide param is never rounded: no bits, no compensation.
     narrow_params = jax.tree.map(lambda p: p if _is_narrow(p) else None,
                                  none_tree if params is None else params)
-    treedef = jax.tree.structure(updates)
-    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
+    flat_updates, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    paths = [path for path, _ in flat_updates]
+    grads = [grad for _, grad in flat_updates]
     flat_params = treedef.flatten_up_to(narrow_params)
     roundings = write_back.with_param_keys(
         [None if param is None else write_back.rounding_for(mode, seed, state.count, path)
@@ -165,7 +166,7 @@ def with_param_rounding(
     written = jax.tree.unflatten(treedef, [
         write_back.write_back(update, param, _dtype(grad), how, compensation)
         for grad, update, param, how, compensation in zip(
-            treedef.flatten_up_to(updates), treedef.flatten_up_to(inner_updates), flat_params,
+            grads, treedef.flatten_up_to(inner_updates), flat_params,
             roundings, treedef.flatten_up_to(state.compensation if keeps_compensation
                                              else none_tree), strict=True)])
     new_updates, new_compensation = unzip_leaf_results(updates, written, 2)

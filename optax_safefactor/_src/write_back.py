@@ -95,13 +95,13 @@ class Rounding(NamedTuple):
   param_key: jax.Array | None = None
 
   def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
-    rows = isinstance(self.path_hash, np.ndarray)
     if self.param_key is not None and stream == bit_streams.STREAM_PARAMS:
-      return (bit_streams.row_bits_from_keys(self.param_key, shape) if rows
-              else bit_streams.bits_from_key(self.param_key, shape))
-    if rows:
-      return bit_streams.row_bits(self.seed, self.step, self.path_hash, shape, stream)
-    return bit_streams.random_bits(self.seed, self.step, self.path_hash, shape, stream)
+      key = self.param_key
+    else:
+      key = bit_streams.stream_key(self.seed, self.step, self.path_hash, stream)
+    if isinstance(self.path_hash, np.ndarray):  # packed rows: a key per row
+      return bit_streams.row_bits_from_keys(key, shape)
+    return bit_streams.bits_from_key(key, shape)
 
 
 def rounding_for(mode: str, seed: Any, step: jax.Array, path: Any) -> Rounding | None:
