@@ -16,7 +16,7 @@ import pytest
 
 from optax_safefactor.benchmarks import accumulate, bench, common, rounding, targets, trees
 from optax_safefactor.benchmarks.bench import minimum_traffic_bytes
-from optax_safefactor.benchmarks.compiled import median_of_processes
+from optax_safefactor.benchmarks.compiled import markdown_rows, median_of_processes
 
 # The help's small run: 7 leaves compile fast, and at this scale the layers are factored
 # and the norms are not, so both kinds of leaf are measured.
@@ -67,11 +67,47 @@ def test_processes_combine_into_medians_of_one_program():
   assert combined[1]["compile_s"] == pytest.approx(4.5)
   assert combined[1]["compile_ratio"] == pytest.approx(1.3)
   assert combined[1]["compile_runs"] == [6.0, 5.0, 4.0, 3.3]
+  assert combined[1]["compile_ratio_runs"] == pytest.approx([1.5, 1.0, 2.0, 1.1])
   assert combined[1]["passes"] == 5.9 and runs[0][1]["compile_s"] == 6.0  # runs unchanged
+  # A process that compiled the steps in another order: its rows are matched by step.
+  swapped = [runs[0], *[list(reversed(run)) for run in runs[1:]]]
+  assert median_of_processes(swapped) == combined
+  assert "(1.30x; 1.00x-2.00x) |" in markdown_rows([dict(
+      combined[1], target="tpu-v5e", tree="1b-slice", dtype="float32", params=1e6,
+      leaves=3, passes_ratio=1.0, floors={"adafactor": 6.0, "guarded": 6.0},
+      control_flow=False)])
+  with pytest.raises(ValueError, match="the processes compiled 1 and 2 steps"):
+    median_of_processes([runs[0], runs[1][:1]])
+  with pytest.raises(ValueError, match="default / safefactor: not compiled by every process"):
+    median_of_processes([runs[0], [runs[1][0], dict(runs[1][1], config="kahan")]])
   runs[2][1]["fusions"] = 10
   with pytest.raises(ValueError, match="default / safefactor: fusions differs between "
                                        "processes"):
     median_of_processes(runs)
+
+
+def test_each_process_starts_at_another_configuration(monkeypatch):
+  # A step's compile time depends on what its process compiled before it: the processes
+  # take turns at compiling each configuration first.
+  orders = []
+
+  def run(command, check, stdout):
+    configs = command[command.index("--configs") + 1:command.index("--json")]
+    orders.append(configs)
+    rows = [{"config": config, "optimizer": "safefactor", "passes": 5.0, "temp": 0.0,
+             "fusions": 9, "compile_s": 1.0 + len(orders), "compile_ratio": 1.0}
+            for config in configs]
+    pathlib.Path(command[command.index("--json") + 1]).write_text(json.dumps(rows))
+
+  monkeypatch.setattr(bench.subprocess, "run", run)
+  configs = ["default", "stochastic", "kahan"]
+  runs = [bench._measured_in_a_new_process(targets.TARGETS["tpu-v5e"], "1b-slice", "bfloat16",
+                                           1.0, configs, process) for process in range(4)]
+  assert orders == [configs, ["stochastic", "kahan", "default"],
+                    ["kahan", "default", "stochastic"], configs]
+  combined = median_of_processes(runs)
+  assert [row["config"] for row in combined] == configs
+  assert [row["compile_runs"] for row in combined] == [[2.0, 3.0, 4.0, 5.0]] * 3
 
 
 @pytest.mark.parametrize("failure", ["a process fails", "two processes disagree"])

@@ -329,9 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument(
       "--processes", type=common.REPETITIONS, default=1, metavar="N",
       help="with an accelerator --target, compile every step in N fresh processes, one "
-           "after another, and report the median compile time and the median of its ratios "
-           "to optax's (each taken within one process); the other figures are the "
-           "compiler's, the same in every process (1)")
+           "after another, each starting at another configuration, and report the median "
+           "compile time and the median of its ratios to optax's (each taken within one "
+           "process) with their least and most; the other figures are the compiler's, the "
+           "same in every process (1)")
   parser.add_argument(
       "--json", type=pathlib.Path, default=None, metavar="FILE",
       help="also write the rows to FILE as JSON: every figure, its spread and the "
@@ -427,7 +428,8 @@ def _measured_in_a_new_process(target: targets.Target, tree: str, dtype: str, sc
     print(f"process {process + 1}: {target.name} {tree} {dtype}", file=sys.stderr, flush=True)
     subprocess.run(
         [sys.executable, "-m", "optax_safefactor", "bench", "--target", target.name,
-         "--trees", tree, "--dtypes", dtype, "--scale", repr(scale), "--configs", *configs,
+         "--trees", tree, "--dtypes", dtype, "--scale", repr(scale),
+         "--configs", *compiled.rotated(configs, process),
          "--json", str(out)],
         check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())

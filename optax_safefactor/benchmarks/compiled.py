@@ -129,10 +129,12 @@ def measure(target_name: str, tree: str, dtype_name: str, scale: float,
 def median_of_processes(runs: Sequence[Sequence[dict]]) -> list[dict]:
   """The rows of one tree and dtype measured in several processes, as one set of rows.
 
-  The compiler's figures (passes, temporaries, fusions) must be the same in every run;
-  the compile time is each row's median over the runs, and its ratio the median of the
-  ratios to optax's taken within each run (one process shares its warm-up and its load
-  between the two). ``compile_runs`` keeps every run's seconds.
+  Rows are matched by configuration and optimizer (the processes may compile them in
+  different orders), and come out in the first run's order. The compiler's figures
+  (passes, temporaries, fusions) must be the same in every run; the compile time is each
+  row's median over the runs, and its ratio the median of the ratios to optax's taken
+  within each run (one process shares its warm-up and its load between the two).
+  ``compile_runs`` and ``compile_ratio_runs`` keep every run's seconds and ratio.
 
   >>> row = {"config": "default", "optimizer": "safefactor", "passes": 5.9, "temp": 0.0,
   ...        "fusions": 9}
@@ -141,18 +143,47 @@ def median_of_processes(runs: Sequence[Sequence[dict]]) -> list[dict]:
   >>> [(r["compile_s"], r["compile_ratio"], r["compile_runs"]) for r in median_of_processes(runs)]
   [(8, 1.2, [8, 6, 9])]
   """
-  first, combined = runs[0], []
-  for index, row in enumerate(first):
-    same = [run[index] for run in runs]
+  def key(row):
+    return row["config"], row["optimizer"]
+
+  counts = sorted({len(run) for run in runs})
+  if len(counts) > 1:
+    raise ValueError(f"the processes compiled {' and '.join(map(str, counts))} steps: not one "
+                     "program")
+  by_run = [{key(row): row for row in run} for run in runs]
+  combined = []
+  for row in runs[0]:
+    if any(key(row) not in rows for rows in by_run):
+      raise ValueError(f"{row['config']} / {row['optimizer']}: not compiled by every process: "
+                       "not one program")
+    same = [rows[key(row)] for rows in by_run]
     for other in same[1:]:
-      for key in ("config", "optimizer", "passes", "temp", "fusions"):
-        if other[key] != row[key]:
-          raise ValueError(f"{row['config']} / {row['optimizer']}: {key} differs between "
-                           f"processes ({row[key]} and {other[key]}): not one program")
+      for figure in ("passes", "temp", "fusions"):
+        if other[figure] != row[figure]:
+          raise ValueError(f"{row['config']} / {row['optimizer']}: {figure} differs between "
+                           f"processes ({row[figure]} and {other[figure]}): not one program")
     combined.append(dict(row, compile_s=statistics.median(r["compile_s"] for r in same),
                          compile_ratio=statistics.median(r["compile_ratio"] for r in same),
-                         compile_runs=[r["compile_s"] for r in same]))
+                         compile_runs=[r["compile_s"] for r in same],
+                         compile_ratio_runs=[r["compile_ratio"] for r in same]))
   return combined
+
+
+def rotated(configs: Sequence[str], process: int) -> list[str]:
+  """``configs`` in the order process ``process`` compiles them: each takes its turn first.
+
+  A process compiles every step one after another, and a step's compile time depends on
+  what the process compiled before it (on H100 by up to tens of percent), so the processes
+  of one run start at different configurations.
+
+  >>> for process in range(3):
+  ...   print(rotated(["default", "stochastic", "kahan"], process))
+  ['default', 'stochastic', 'kahan']
+  ['stochastic', 'kahan', 'default']
+  ['kahan', 'default', 'stochastic']
+  """
+  turn = process % len(configs)
+  return [*configs[turn:], *configs[:turn]]
 
 
 COLUMNS = ("target", "tree", "dtype", "config", "optimizer", "passes (ratio)",
@@ -173,8 +204,13 @@ def markdown_rows(rows: Sequence[dict]) -> str:
         f"| {r['dtype']} | {r['config']} | {r['optimizer']} "
         f"| {r['passes']:.2f} ({r['passes_ratio']:.2f}x){flags} "
         f"| {r['floors']['adafactor']:.2f} / {r['floors']['guarded']:.2f} | {temp} "
-        f"| {r['fusions']} | {r['compile_s']:.1f} s ({r['compile_ratio']:.2f}x) |")
+        f"| {r['fusions']} | {r['compile_s']:.1f} s ({r['compile_ratio']:.2f}x{_spread(r)}) |")
   return "\n".join(lines)
+
+
+def _spread(row: dict) -> str:
+  ratios = row.get("compile_ratio_runs") or []
+  return f"; {min(ratios):.2f}x-{max(ratios):.2f}x" if len(ratios) > 1 else ""
 
 
 LEGEND = """Compiled for the target on this machine, without the accelerator, and never run:
@@ -185,5 +221,6 @@ optax.adafactor's at the same learning rate and momentum. floors: the exact Adaf
 step's least traffic, and the guarded step's (the old momentum read once more for the
 skip's check). temporaries: XLA's temporary buffers / the params' bytes. compile: trace,
 lower and compile in this process (one compile each: tens of percent between runs), or with
---processes N the median over N fresh processes."""
+--processes N the median over N fresh processes, each starting at another configuration,
+with the least and the most of the processes' ratios."""
 
