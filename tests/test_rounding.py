@@ -542,7 +542,7 @@ def test_kahan_saturates_at_the_largest_value():
 @pytest.mark.parametrize("dtype", NARROW)
 @given(data=st.data())
 def test_kahan_keeps_a_finite_compensation_within_the_range(dtype, data):
-  # Params anywhere in the range, float32 updates up to float32's largest value: wherever
+  # Params anywhere in the range, float32 updates up to half float32's largest value: wherever
   # the update lands on a finite param, the compensation is finite and within the
   # narrow range, saturated where the true remainder is beyond it (float16's range is
   # far smaller than float32's), and it is the remainder itself everywhere else.
