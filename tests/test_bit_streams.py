@@ -376,3 +376,46 @@ def test_a_seed_takes_any_64_bit_word_signed_or_not():
   for seed in (-(2**63) - 1, 2**64):
     with pytest.raises(ValueError, match="rounding_seed must fit in 64 bits"):
       osf.safefactor(1e-3, param_rounding="stochastic", rounding_seed=seed)
+
+
+# The hash as bit_streams' docstrings state it, in Python integers: the lowbias32
+# finaliser, a key absorbing each value as mix32(key * golden ^ value), and an element's
+# bits mix32(absorb(key, index_hi) ^ index_lo). Pinning it pins the bits of every element
+# from one release to the next: a checkpoint resumed with a later release rounds as it would
+# have, and a change to a shift or a constant that keeps the bits uniform still fails here.
+_MASK = 2**32 - 1
+
+
+def _mix32_reference(x: int) -> int:
+  x ^= x >> 16
+  x = (x * 0x7FEB352D) & _MASK
+  x ^= x >> 15
+  x = (x * 0x846CA68B) & _MASK
+  return x ^ (x >> 16)
+
+
+def _absorb_reference(key: int, value: int) -> int:
+  return _mix32_reference(((key * 0x9E3779B1) & _MASK) ^ (value & _MASK))
+
+
+def _element_bits_reference(seed: int, step: int, path: int, stream: int, index: int) -> int:
+  key = 0x5AFEFAC7
+  for value in (seed >> 32, seed, step, path, stream):  # a seed's two 64-bit words
+    key = _absorb_reference(key, value)
+  return _mix32_reference((index & _MASK) ^ _absorb_reference(key, index >> 32))
+
+
+@pytest.mark.parametrize("seed", [0, 7, -1, 2**63 - 1, -(2**63), 2**64 - 1])
+def test_the_bits_are_the_stated_hash_of_seed_step_path_stream_and_index(seed):
+  path = path_hash("['layer']['kernel']")
+  shape = (3, 4, 5)
+  for step, stream in ((0, STREAM_PARAMS), (123456, STREAM_MOMENTUM)):
+    got = np.asarray(random_bits(seed, step, path, shape, stream)).ravel().tolist()
+    want = [_element_bits_reference(seed, step, path, stream, index)
+            for index in range(int(np.prod(shape)))]
+    assert got == want
+  # An element of a leaf of 2**32 elements or more: its index's high word is absorbed.
+  key = stream_key(seed, 9, path, STREAM_PARAMS)
+  index = 5 * 2**32 + 17
+  got = int(index_bits(key, np.uint32(index & _MASK), np.uint32(index >> 32)))
+  assert got == _element_bits_reference(seed, 9, path, STREAM_PARAMS, index)
