@@ -1,9 +1,9 @@
 """docs/benchmarks.md is the record; the README's Performance section and the guide quote it.
 
 Every table of the record sits under a heading that says when and where its figures come
-from (a date, and the CPU they were measured on or the accelerator they were compiled for);
-a current table (above "History") also gives jax's and optax's versions and the command that
-reproduces it, and a table kept as history says that it is superseded. Every paragraph or
+from (a date, and the CPU or GPU they were measured on or the accelerator they were compiled
+for); a current table (above "History") also gives jax's and optax's versions and the command
+that reproduces it, and a table kept as history says that it is superseded. Every paragraph or
 table row of the README's Performance section or of the performance guide that quotes a
 figure names where it comes from, and each figure it quotes is one of a current table of
 that place, with the same unit: a range of the text's own, a figure that a later measurement
@@ -24,7 +24,8 @@ HISTORY = "\n## History\n"
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 # Where a figure comes from, as a table's heading names it: the CPU that measured it, or the
 # accelerator it was compiled for; and the words a quoting paragraph may name it by.
-PLACES = {"2-core AMD EPYC CPU": ("CPU",), "TPU v5e": ("TPU",), "H100": ("H100", "GPU")}
+PLACES = {"2-core AMD EPYC CPU": ("CPU",), "TPU v5e": ("TPU",), "H100": ("H100", "GPU"),
+          "NVIDIA H200": ("H200",)}
 VERSIONS = (re.compile(r"\bjax(?: and jaxlib)?\s+\d+\.\d+\.\d+"),
             re.compile(r"\boptax\s+\d+\.\d+\.\d+"))
 COMMAND = re.compile(r"`[^`]*\bpython [^`]+`")
