@@ -269,14 +269,17 @@ def test_safefactor_draws_a_huge_leafs_bits_over_its_whole_shape_and_path(monkey
   # Guards against safefactor handing the bits functions anything but each array's full
   # global shape (so the high word of a 2**32-element leaf's index), its own stream and
   # the hash of the whole path. The update is traced, not run (jax.eval_shape), and every
-  # key computed and every array of bits drawn is recorded (the params' key is computed
-  # with every other narrow param's, as a vector); the bits of exactly this shape are
-  # checked above to use the high word. Deterministic: no false alarms.
+  # key computed (path hash and stream) and every array of bits drawn is recorded (the
+  # keys of every stochastically rounded array are computed together, as a vector); the
+  # bits of exactly this shape are checked above to use the high word. Deterministic: no
+  # false alarms.
   keys, draws = [], []
   real_stream_key, real_bits_from_key = bit_streams.stream_key, bit_streams.bits_from_key
 
   def recording_stream_key(seed, step, leaf_hash, stream):
-    keys.append((tuple(np.ravel(leaf_hash).tolist()), stream))
+    hashes = np.ravel(leaf_hash)
+    keys.extend(zip(hashes.tolist(), np.broadcast_to(stream, hashes.shape).tolist(),
+                    strict=True))
     return real_stream_key(seed, step, leaf_hash, stream)
 
   def recording_bits_from_key(key, shape):
@@ -292,9 +295,43 @@ def test_safefactor_draws_a_huge_leafs_bits_over_its_whole_shape_and_path(monkey
   updates, _ = jax.eval_shape(tx.update, params, state, params)
   assert updates["enc"]["kernel"].shape == BIG_SHAPE
   leaf = path_hash(_keystr("enc", "kernel"))
-  assert sorted(keys) == sorted([((leaf,), stream) for stream in (
+  assert sorted(keys) == sorted([(leaf, stream) for stream in (
       STREAM_STATISTICS, STREAM_COLUMN_STATISTICS, STREAM_MOMENTUM, STREAM_PARAMS)])
   assert sorted(draws) == sorted([(BIG_SHAPE[0], 1), (1, BIG_SHAPE[1]), BIG_SHAPE, BIG_SHAPE])
+
+
+def test_each_array_rounds_with_the_bits_of_its_own_stream(monkeypatch):
+  # The keys of every stochastically rounded array of every leaf are computed together, as
+  # one vector (write_back.with_stream_keys), and each array then looks its key up by its
+  # stream. Each array's bits, recorded as a real step draws them (run eagerly), must be
+  # exactly random_bits of its own leaf, stream and shape: a momentum rounded with the
+  # params' bits, or a leaf with another leaf's, fails here.
+  # Every stochastic rounding in write_back goes through stochastic_round, the params'
+  # landing too.
+  drawn = []
+  real_round = write_back.stochastic_round
+
+  def recording_round(x, dtype, bits):
+    drawn.append(np.asarray(bits))
+    return real_round(x, dtype, bits)
+
+  monkeypatch.setattr(write_back, "stochastic_round", recording_round)
+  tx = osf.safefactor(1e-3, momentum=0.9, dtype_momentum="bfloat16", state_dtype="bfloat16",
+                      param_rounding="stochastic", rounding_seed=SEED, min_dim_size_to_factor=8)
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(24, 20)), jnp.bfloat16),
+            "b": jnp.asarray(rng.normal(size=(20,)), jnp.bfloat16)}
+  grads = jax.tree.map(lambda p: p * 0.1, params)
+  state = tx.init(params)
+  tx.update(grads, state, params)
+  moments = optax.tree_utils.tree_get(state, "second_moment")
+  streams = {"w": {STREAM_STATISTICS: moments["w"].v_row.shape,
+                   STREAM_COLUMN_STATISTICS: moments["w"].v_col.shape,
+                   STREAM_MOMENTUM: (24, 20), STREAM_PARAMS: (24, 20)},
+             "b": {STREAM_STATISTICS: (20,), STREAM_MOMENTUM: (20,), STREAM_PARAMS: (20,)}}
+  expected = [np.asarray(random_bits(SEED, 0, path_hash(_keystr(name)), shape, stream))
+              for name, shapes in streams.items() for stream, shape in shapes.items()]
+  assert sorted(bits.tobytes() for bits in drawn) == sorted(bits.tobytes() for bits in expected)
 
 
 # --- through the public API ----------------------------------------------------------------

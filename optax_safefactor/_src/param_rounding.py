@@ -160,9 +160,10 @@ def with_param_rounding(
     paths = [path for path, _ in flat_updates]
     grads = [grad for _, grad in flat_updates]
     flat_params = treedef.flatten_up_to(narrow_params)
-    roundings = write_back.with_param_keys(
+    roundings = write_back.with_stream_keys(
         [None if param is None else write_back.rounding_for(mode, seed, state.count, path)
-         for path, param in zip(paths, flat_params, strict=True)], flat_params)
+         for path, param in zip(paths, flat_params, strict=True)],
+        [write_back.streams_to_round(param) for param in flat_params])
     written = jax.tree.unflatten(treedef, [
         write_back.write_back(update, param, _dtype(grad), how, compensation)
         for grad, update, param, how, compensation in zip(

@@ -178,8 +178,10 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
               else list(leaf_inputs[unit.index]) for unit in units]
     if rounds_onto_params:
-      roundings = write_back.with_param_keys([leaf.rounding for _, leaf, *_ in inputs],
-                                             [param for _, _, _, param, *_ in inputs])
+      roundings = write_back.with_stream_keys(
+          [leaf.rounding for _, leaf, *_ in inputs],
+          [write_back.streams_to_round(param, momentum, tuple(moment))
+           for _, _, moment, param, momentum, _ in inputs])
       for unit_inputs, rounding in zip(inputs, roundings, strict=True):
         unit_inputs[1] = unit_inputs[1]._replace(rounding=rounding)
     first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]

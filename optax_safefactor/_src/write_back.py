@@ -86,18 +86,19 @@ class Rounding(NamedTuple):
     path_hash: the leaf's stable path hash; with the element's global index and a
       stream it picks each element's bits. For leaves packed as the rows of one array,
       a uint32 array of their hashes, one per row.
+    keys: ``(stream, key)`` pairs computed beforehand (:func:`with_stream_keys`); a
+      stream not among them hashes its key where its bits are drawn.
   """
 
   stochastic: bool
   seed: Any
   step: jax.Array
   path_hash: Any
-  param_key: jax.Array | None = None
+  keys: tuple[tuple[int, jax.Array], ...] = ()
 
   def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
-    if self.param_key is not None and stream == bit_streams.STREAM_PARAMS:
-      key = self.param_key
-    else:
+    key = dict(self.keys).get(stream)
+    if key is None:
       key = bit_streams.stream_key(self.seed, self.step, self.path_hash, stream)
     if isinstance(self.path_hash, np.ndarray):  # packed rows: a key per row
       return bit_streams.row_bits_from_keys(key, shape)
@@ -111,34 +112,57 @@ def rounding_for(mode: str, seed: Any, step: jax.Array, path: Any) -> Rounding |
   return Rounding(mode == "stochastic", seed, step, bit_streams.path_hash(path))
 
 
-def with_param_keys(roundings: list[Rounding | None], params: list[Any]) -> list[Rounding | None]:
-  """``roundings`` (one per unit the kernel steps) with the keys of narrow params' bits.
+def streams_to_round(param: Any = None, momentum: Any = None,
+                     statistics: tuple[Any, ...] = ()) -> tuple[int, ...]:
+  """The bit streams that one unit's stochastic rounding draws from: the params' for a
+  narrow ``param``, the momentum's for a narrow ``momentum``, and the statistics' (a full
+  one's or the rows', then the columns') for narrow ``statistics``. Each is ``None`` (or
+  left out) where the unit has none; the values they are rounded from are always wider.
 
-  Each stochastically rounded bfloat16 or float16 param draws its bits from the key of
-  ``(seed, step, its path, the params' stream)``; leaves packed as rows have one per row.
-  Computed here for all of them at once, as one vector, each unit's update reads its keys
-  from that vector rather than hashing paths in its own kernel: a path hash was a constant
-  of the leaf's, so no two leaves of one shape could share a compiled kernel (XLA:GPU
-  compiled one per leaf), and a packed group hashed every row's path element by element.
-  The keys, and so the bits, are the same as :func:`bit_streams.random_bits` and
-  :func:`bit_streams.row_bits` draw.
+  >>> streams_to_round(jnp.zeros(2, jnp.bfloat16), jnp.zeros(2, jnp.float32))
+  (0,)
   """
-  chosen = [index for index, (how, param) in enumerate(zip(roundings, params, strict=True))
-            if how is not None and how.stochastic and param is not None
-            and is_narrow(param.dtype)]
+  streams = [stream for stream, value in ((bit_streams.STREAM_PARAMS, param),
+                                          (bit_streams.STREAM_MOMENTUM, momentum))
+             if value is not None and is_narrow(value.dtype)]
+  statistics_streams = (bit_streams.STREAM_STATISTICS, bit_streams.STREAM_COLUMN_STATISTICS)
+  streams += [stream for stream, value in zip(statistics_streams, statistics, strict=False)
+              if is_narrow(value.dtype)]
+  return tuple(streams)
+
+
+def with_stream_keys(roundings: list[Rounding | None],
+                     streams: list[tuple[int, ...]]) -> list[Rounding | None]:
+  """``roundings`` (one per unit the kernel steps) with the keys of the bit streams each
+  one draws from (``streams``, one tuple per unit, e.g. from :func:`streams_to_round`).
+
+  A stochastically rounded unit's array (its narrow param, momentum or statistics) draws
+  its bits from the key of ``(seed, step, its path, its stream)``; leaves packed as rows
+  have one per row. Computed here for every unit and stream at once, as one vector, each
+  update reads its keys from that vector rather than hashing paths in its own kernel: a
+  path hash was a constant of the leaf's, so no two leaves of one shape could share a
+  compiled kernel (XLA:GPU compiled one per leaf), and a packed group hashed every row's
+  path element by element. The keys, and so the bits, are the same as
+  :func:`bit_streams.random_bits` and :func:`bit_streams.row_bits` draw.
+  """
+  chosen = [(index, stream)
+            for index, (how, unit_streams) in enumerate(zip(roundings, streams, strict=True))
+            if how is not None and how.stochastic for stream in unit_streams]
   if not chosen:
     return roundings
-  first = roundings[chosen[0]]
-  hashes = [np.ravel(np.asarray(roundings[index].path_hash, np.uint32)) for index in chosen]
-  keys = bit_streams.stream_key(first.seed, first.step, np.concatenate(hashes),
-                                bit_streams.STREAM_PARAMS)
+  first = roundings[chosen[0][0]]
+  hashes = [np.ravel(np.asarray(roundings[index].path_hash, np.uint32)) for index, _ in chosen]
+  stream_ids = np.concatenate([np.full(unit_hashes.size, stream, np.uint32)
+                               for unit_hashes, (_, stream) in zip(hashes, chosen, strict=True)])
+  keys = bit_streams.stream_key(first.seed, first.step, np.concatenate(hashes), stream_ids)
   stops = np.cumsum([unit_hashes.size for unit_hashes in hashes]).tolist()
   pieces = xla_hints.pieces_apart(keys, [(stop - unit_hashes.size, stop) for stop, unit_hashes
                                          in zip(stops, hashes, strict=True)])
   keyed = list(roundings)
-  for index, piece in zip(chosen, pieces, strict=True):
+  for (index, stream), piece in zip(chosen, pieces, strict=True):
     rows = isinstance(roundings[index].path_hash, np.ndarray)
-    keyed[index] = roundings[index]._replace(param_key=piece if rows else piece.reshape(()))
+    keyed[index] = keyed[index]._replace(
+        keys=(*keyed[index].keys, (stream, piece if rows else piece.reshape(()))))
   return keyed
 
 

@@ -246,7 +246,7 @@ def pieces_apart(vector: jax.Array, bounds: Sequence[tuple[int, int]]) -> list[j
   """``vector[start:stop]`` for each of ``bounds``: on GPUs, arrays of their own.
 
   Every stochastically rounded unit reads its keys from one vector
-  (``write_back.with_param_keys``). XLA:GPU fuses sibling kernels that read the same
+  (``write_back.with_stream_keys``). XLA:GPU fuses sibling kernels that read the same
   array into one multi-output kernel: it fused the update kernels of a dozen leaves of one
   shape into one, a large kernel to compile, where apart they are one kernel compiled
   once and reused. Through a barrier the vector is written out, and through a second one
