@@ -1,6 +1,7 @@
 """The performance guide's plots, drawn from the tables of docs/benchmarks.md.
 
-Reads the current part of the page (everything above its "History"): the step table of
+Reads the current measurements of the 2-core CPU (the page's part of that name, above its
+"History"; the guide shows these plots beside that machine's figures): the step table of
 ``python -m optax_safefactor bench`` (step time of safefactor and its variants against
 ``optax.adafactor``) and the write-back modes' table (each mode against ``"nearest"``), and
 writes two PNGs into docs/guides/. Compile time is left out of the plot: the bench compiles
@@ -30,11 +31,13 @@ OPTIMIZERS = ("safefactor", "safefactor, guard off", "safefactor, unpacked",
               "safefactor, spikes")
 # The heading of the page's superseded measurements; the plots show only what is above it.
 HISTORY = "\n## History\n"
+# The part of the page the plots are drawn from.
+CPU_PART = "\n## On the 2-core CPU: measured\n"
 
 
 def current(text: str) -> str:
-  """The page without its "History" part: the current tables only."""
-  return text.split(HISTORY, 1)[0]
+  """The 2-core CPU's current measurements: that part of the page, without "History"."""
+  return text.split(HISTORY, 1)[0].split(CPU_PART, 1)[1].split("\n## ", 1)[0]
 
 
 def _table(text: str, header: str) -> list[list[str]]:

@@ -1,0 +1,48 @@
+"""Seconds to compile GPT-2 small's step with a bfloat16 momentum, per write-back mode.
+
+``python tools/write_back_compile.py LABEL MODE [MODE ...]`` builds the train step (update +
+``apply_updates``, params and state donated) of ``safefactor(1e-3, momentum=0.9,
+dtype_momentum="bfloat16", param_rounding=MODE)`` on GPT-2 small's tree in bfloat16, and
+compiles it for this machine's default device (its GPU, where it has one) from shapes
+alone (nothing is allocated), one mode after the other in this process, printing
+``LABEL MODE SECONDS s DEVICE`` for each. Run it in fresh processes, alternating the order
+of the modes, and compare the times within a process; point ``PYTHONPATH`` at two checkouts
+to compare two versions (the label names which). ``SCALE`` (an environment variable, 1.0 by
+default) shrinks the tree's widths as the benchmark's ``--scale`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+from jax.sharding import SingleDeviceSharding
+
+import optax_safefactor as osf
+from optax_safefactor.benchmarks import common, trees
+
+
+def _placed(tree, device):
+  sharding = SingleDeviceSharding(device)
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+
+
+def main(label: str, modes: list[str]) -> None:
+  scale = float(os.environ.get("SCALE", "1.0"))
+  device = jax.devices()[0]
+  params = _placed(trees.shape_structs("gpt2-small", scale, "bfloat16"), device)
+  for mode in modes:
+    tx = osf.safefactor(1e-3, momentum=0.9, dtype_momentum="bfloat16", param_rounding=mode)
+    state = _placed(jax.eval_shape(tx.init, params), device)
+    start = time.perf_counter()
+    jax.jit(common.train_step(tx), donate_argnums=(0, 1)).trace(
+        params, state, params).lower().compile()
+    print(f"{label} {mode} {time.perf_counter() - start:.2f} s {device.device_kind}", flush=True)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) < 3:
+    sys.exit(__doc__)
+  main(sys.argv[1], sys.argv[2:])
