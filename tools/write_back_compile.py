@@ -8,7 +8,10 @@ alone (nothing is allocated), one mode after the other in this process, printing
 ``LABEL MODE SECONDS s DEVICE`` for each. Run it in fresh processes, alternating the order
 of the modes, and compare the times within a process; point ``PYTHONPATH`` at two checkouts
 to compare two versions (the label names which). ``SCALE`` (an environment variable, 1.0 by
-default) shrinks the tree's widths as the benchmark's ``--scale`` does.
+default) shrinks the tree's widths as the benchmark's ``--scale`` does. ``TARGET`` (another,
+unset by default) names an accelerator of ``python -m optax_safefactor bench --target`` to
+compile for without one instead (the accel extra); the line then also gives the program's
+fusions and its traffic in passes over the params, as the bench counts them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 import optax_safefactor as osf
-from optax_safefactor.benchmarks import common, trees
+from optax_safefactor.benchmarks import common, targets, trees
 
 
 def _placed(tree, device):
@@ -31,15 +34,21 @@ def _placed(tree, device):
 
 def main(label: str, modes: list[str]) -> None:
   scale = float(os.environ.get("SCALE", "1.0"))
-  device = jax.devices()[0]
-  params = _placed(trees.shape_structs("gpt2-small", scale, "bfloat16"), device)
+  target = targets.TARGETS.get(os.environ.get("TARGET", ""))
+  device = jax.devices()[0] if target is None else targets.devices(target.name)[0]
+  shapes = trees.shape_structs("gpt2-small", scale, "bfloat16")
+  params = _placed(shapes, device)
   for mode in modes:
     tx = osf.safefactor(1e-3, momentum=0.9, dtype_momentum="bfloat16", param_rounding=mode)
     state = _placed(jax.eval_shape(tx.init, params), device)
     start = time.perf_counter()
-    jax.jit(common.train_step(tx), donate_argnums=(0, 1)).trace(
+    compiled = jax.jit(common.train_step(tx), donate_argnums=(0, 1)).trace(
         params, state, params).lower().compile()
-    print(f"{label} {mode} {time.perf_counter() - start:.2f} s {device.device_kind}", flush=True)
+    seconds = time.perf_counter() - start
+    figures = "" if target is None else (
+        f", {targets.fusions(compiled.as_text())} fusions, "
+        f"{targets.traffic_bytes(target, compiled) / common.nbytes(shapes):.2f} passes")
+    print(f"{label} {mode} {seconds:.2f} s {device.device_kind}{figures}", flush=True)
 
 
 if __name__ == "__main__":
