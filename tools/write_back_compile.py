@@ -21,15 +21,9 @@ import sys
 import time
 
 import jax
-from jax.sharding import SingleDeviceSharding
 
 import optax_safefactor as osf
-from optax_safefactor.benchmarks import common, targets, trees
-
-
-def _placed(tree, device):
-  sharding = SingleDeviceSharding(device)
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+from optax_safefactor.benchmarks import common, compiled, targets, trees
 
 
 def main(label: str, modes: list[str]) -> None:
@@ -37,17 +31,17 @@ def main(label: str, modes: list[str]) -> None:
   target = targets.TARGETS.get(os.environ.get("TARGET", ""))
   device = jax.devices()[0] if target is None else targets.devices(target.name)[0]
   shapes = trees.shape_structs("gpt2-small", scale, "bfloat16")
-  params = _placed(shapes, device)
+  params = compiled._placed(shapes, device)
   for mode in modes:
     tx = osf.safefactor(1e-3, momentum=0.9, dtype_momentum="bfloat16", param_rounding=mode)
-    state = _placed(jax.eval_shape(tx.init, params), device)
+    state = compiled._placed(jax.eval_shape(tx.init, params), device)
     start = time.perf_counter()
-    compiled = jax.jit(common.train_step(tx), donate_argnums=(0, 1)).trace(
+    program = jax.jit(common.train_step(tx), donate_argnums=(0, 1)).trace(
         params, state, params).lower().compile()
     seconds = time.perf_counter() - start
     figures = "" if target is None else (
-        f", {targets.fusions(compiled.as_text())} fusions, "
-        f"{targets.traffic_bytes(target, compiled) / common.nbytes(shapes):.2f} passes")
+        f", {targets.fusions(program.as_text())} fusions, "
+        f"{targets.traffic_bytes(target, program) / common.nbytes(shapes):.2f} passes")
     print(f"{label} {mode} {seconds:.2f} s {device.device_kind}{figures}", flush=True)
 
 
