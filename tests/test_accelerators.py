@@ -110,6 +110,41 @@ def test_each_hint_is_in_the_programs_it_pays_in_only(target, config):
     assert 0 < barriers < on_cpu.count("optimization_barrier")
 
 
+def test_unguarded_momentum_steps_run_unit_after_unit_on_tpu(target):
+  # xla_hints.read_after: without a guard, with momentum, each unit's gradient passes one
+  # barrier with the previous unit's new momentum on TPU (one per unit after the first),
+  # and nowhere else; with the guard the verdict orders the step, and no barrier is added.
+  shapes = _small_tree("bfloat16")
+  device = targets.devices(target.name)[0]
+
+  def barriers(**config):
+    return _lowered_text(device, osf.safefactor(1e-3, **config), shapes).count(
+        "optimization_barrier")
+
+  linked = barriers(momentum=0.9, skip_nonfinite_steps=False)
+  unlinked = barriers(skip_nonfinite_steps=False)
+  if target.platform == "tpu":
+    # 8 units: the two factored matrices, the small one and the 20 vectors packed in
+    # groups of 4 (packing.ROWS_PER_GROUP).
+    assert (unlinked, linked) == (0, 7)
+    assert barriers(momentum=0.9) == 0
+  else:
+    assert linked == unlinked
+
+
+@pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")
+def test_unguarded_momentum_step_moves_no_more_than_optax_on_tpu():
+  # Two (8192, 2048) float32 leaves, momentum, no guard: 7.50 passes in XLA:TPU's own order
+  # (each update reads its gradient and param again after both leaves' scaling), 7.00 with
+  # each leaf's work kept together by xla_hints.read_after: optax.adafactor's.
+  target = _required("tpu-v5e")
+  shapes = {f"w{i}": jax.ShapeDtypeStruct((8192, 2048), jnp.float32) for i in range(2)}
+  optax_passes, _ = _passes(target, optax.adafactor(1e-3, momentum=0.9), shapes)
+  passes, _ = _passes(target, osf.safefactor(1e-3, momentum=0.9, skip_nonfinite_steps=False),
+                      shapes)
+  assert passes <= optax_passes + 0.01
+
+
 def _caps(lowered_text):
   """The op that makes each full-size ``minimum``'s bound (a factored leaf's capped scale;
   a rounding's clamps have constant bounds, not listed), one level under its broadcast."""

@@ -184,7 +184,10 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
            for _, _, moment, param, momentum, _ in inputs])
       for unit_inputs, rounding in zip(inputs, roundings, strict=True):
         unit_inputs[1] = unit_inputs[1]._replace(rounding=rounding)
-    first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]
+    if guarded:
+      first_half = [kernel.leaf_scaling(hp, step, *unit_inputs) for unit_inputs in inputs]
+    else:
+      first_half, second_half = _unit_after_unit(hp, step, inputs)
 
     def per_leaf(values_by_unit, split):
       flat = [None] * leaf_count
@@ -216,11 +219,12 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                            step_finite)
       applied = xla_hints.computed_once([step_finite, ~spike.skip])
 
-    second_half = [
-        kernel.leaf_update(hp, step, applied, grad, leaf, scaling, momentum, param, compensation,
-                           new_moment, moment)
-        for (grad, leaf, moment, param, momentum, compensation), (new_moment, scaling, _)
-        in zip(inputs, first_half, strict=True)]
+    if guarded:
+      second_half = [
+          kernel.leaf_update(hp, step, applied, grad, leaf, scaling, momentum, param,
+                             compensation, new_moment, moment)
+          for (grad, leaf, moment, param, momentum, compensation), (new_moment, scaling, _)
+          in zip(inputs, first_half, strict=True)]
 
     any_packed = any([unit.packed for unit in units])
     row_index = xla_hints.row_indices(inner.count, packing.ROWS_PER_GROUP) if any_packed else []
@@ -249,4 +253,28 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unit_after_unit(hp: Hyperparams, step: schedules.StepValues,
+                     inputs: list[list[Any]]) -> tuple[list[Any], list[Any]]:
+  """Both halves of every unit's step without a guard: no verdict to wait for, so each
+  unit's update follows its own scaling.
+
+  With momentum, on the compilers where it pays (:func:`xla_hints.read_after`), a unit's
+  gradient is read only once the unit before it has written its new momentum, so that
+  each leaf's reads and writes come together rather than every leaf's scaling first and
+  every update last.
+  """
+  first_half, second_half = [], []
+  for grad, leaf, moment, param, momentum, compensation in inputs:
+    if second_half and second_half[-1][1] is not None:
+      update, written, *rest = second_half[-1]
+      grad, written = xla_hints.read_after(grad, written)
+      second_half[-1] = (update, written, *rest)
+    new_moment, scaling, finite = kernel.leaf_scaling(hp, step, grad, leaf, moment, param,
+                                                      momentum, compensation)
+    first_half.append((new_moment, scaling, finite))
+    second_half.append(kernel.leaf_update(hp, step, None, grad, leaf, scaling, momentum, param,
+                                          compensation, new_moment, moment))
+  return first_half, second_half
 
