@@ -181,8 +181,9 @@ def read_after(value: jax.Array, written: jax.Array) -> tuple[jax.Array, jax.Arr
   momentum, a unit's gradient waits for that unit's update, and each leaf's work stays
   together. The 1B slice with ``momentum=0.9, skip_nonfinite_steps=False``, compiled for
   TPU v5e without a device: 6.81 passes against 7.66 without it in float32, 8.02 against
-  9.25 in bfloat16 (optax.adafactor: 7.56 and 8.36); GPT-2 small within 0.03 pass either
-  way (docs/benchmarks.md, "Which order XLA:TPU runs the step in"). On H100 the 1B slice's
+  9.25 in bfloat16 (optax.adafactor: 7.56 and 8.36), the 600-leaf tree 5.04 against 6.04,
+  GPT-2 small and the scanned tree within 0.15 pass; some small trees of 16 to 32 MB leaves
+  moved more with it (docs/benchmarks.md, "Unit after unit without a guard"). On H100 the 1B slice's
   bytes were the same either way and GPT-2 small's update kernels were no longer shared
   (589 fusions against 442), so it is applied on :data:`MEASURED_ON_TPU`. The momentum is
   the link because it is written in full anyway; passing the update through the barrier
