@@ -110,6 +110,45 @@ def test_each_hint_is_in_the_programs_it_pays_in_only(target, config):
     assert 0 < barriers < on_cpu.count("optimization_barrier")
 
 
+def _barrier_operands(lowered_text):
+  """The operand types of each optimization barrier in a lowered program, as strings."""
+  return [line.rsplit(" : ", 1)[1] for line in lowered_text.splitlines()
+          if "stablehlo.optimization_barrier" in line]
+
+
+@pytest.mark.parametrize("schedule", [False, True])
+def test_the_steps_scalars_and_flags_are_computed_once_for_a_gpu_only(target, schedule):
+  # xla_hints.step_scalars and skip_verdict. For a GPU, beta2 and 1 - beta2 (with a
+  # schedule, the learning rate too) come out of one barrier of scalars, and the
+  # leaves' finite flags out of one barrier of a bool vector; for a TPU or the CPU
+  # neither is there.
+  learning_rate = optax.linear_schedule(1e-3, 0.0, 100) if schedule else 1e-3
+  tx = osf.safefactor(learning_rate)
+  shapes = _small_tree("bfloat16")
+  scalars = ", ".join(["tensor<f32>"] * (3 if schedule else 2))
+  for device in (jax.devices("cpu")[0], targets.devices(target.name)[0]):
+    barriers = _barrier_operands(_lowered_text(device, tx, shapes))
+    on_a_gpu = device.platform == "gpu"
+    assert (scalars in barriers) == on_a_gpu, (device.platform, barriers)
+    flags = [b for b in barriers if re.fullmatch(r"tensor<\d+xi1>", b)]
+    assert len(flags) == (1 if on_a_gpu else 0), (device.platform, barriers)
+
+
+@pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_each_leafs_finite_flag_is_computed_once_on_a_gpu(momentum):
+  # xla_hints.skip_verdict: the verdict and the guard's two counters read every leaf's
+  # flag. Without the barrier XLA:GPU copied the flags' isfinite work into the verdict's
+  # kernel and each counter's (the 1B slice: three kernels of 55 operands each): here
+  # 32 isfinite instructions where the traced step has 16.
+  target = _required("h100")
+  tx = osf.safefactor(1e-3, momentum=momentum)
+  shapes = _small_tree()
+  lowered = _lowered_text(targets.devices(target.name)[0], tx, shapes)
+  program = compiled.compile_for(target, tx, shapes)[0].as_text()
+  assert program.count(" is-finite(") == lowered.count("stablehlo.is_finite")
+
+
 def test_unguarded_momentum_steps_run_unit_after_unit_on_tpu(target):
   # xla_hints.read_after: without a guard, with momentum, each unit's gradient passes one
   # barrier with the previous unit's new momentum on TPU (one per unit after the first),
@@ -262,27 +301,32 @@ def test_stochastic_updates_share_kernels_on_a_gpu():
   # its own update kernel, XLA:GPU compiled one update kernel per leaf where round to
   # nearest compiles one per shape (the 1B slice: 95 kernels against nearest's 68); with
   # the keys read from one vector, it fused the updates of every leaf of a shape into one
-  # multi-output kernel. Six bfloat16 matrices of one shape: the same kernels as
+  # multi-output kernel. Four bfloat16 (1024, 1024) matrices: the same kernels as
   # nearest's and one that computes every leaf's key, each writing one leaf's update.
   target = _required("h100")
-  shape = (512, 256)
-  shapes = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.bfloat16) for i in range(6)}
 
-  def program(**config):
+  def program(shapes, **config):
     return compiled.compile_for(target, osf.safefactor(1e-3, **config), shapes)[0].as_text()
 
-  stochastic = program(param_rounding="stochastic")
-  assert _kernels(stochastic) <= _kernels(program()) + 1
-  leaf_outputs = [line.split(" fusion(")[0].count(f"bf16[{shape[0]},{shape[1]}]")
+  def matrices(count, shape):
+    return {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.bfloat16) for i in range(count)}
+
+  shapes = matrices(4, (1024, 1024))
+  stochastic = program(shapes, param_rounding="stochastic")
+  assert _kernels(stochastic) <= _kernels(program(shapes)) + 1
+  leaf_outputs = [line.split(" fusion(")[0].count("bf16[1024,1024]")
                   for line in _fusions(stochastic)]
   assert max(leaf_outputs) == 1
   # write_back.with_stream_keys: a bfloat16 momentum and bfloat16 statistics, rounded
   # stochastically too, read their keys from the same vector. Hashed in each leaf's own
-  # kernels, they made 26 more kernels than nearest's here (GPT-2 small with a bfloat16
-  # momentum: 168 against 93).
+  # kernels, they made 12 more kernels than nearest's on six (512, 256) matrices (GPT-2
+  # small with a bfloat16 momentum: 168 against 93). On these, nearest's step writes the
+  # six updates from one multi-output kernel (since the step's scalars are computed once
+  # on GPUs, xla_hints.step_scalars).
+  shapes = matrices(6, (512, 256))
   narrow_state = {"momentum": 0.9, "dtype_momentum": "bfloat16", "state_dtype": "bfloat16"}
-  assert (_kernels(program(param_rounding="stochastic", **narrow_state))
-          <= _kernels(program(**narrow_state)) + 1)
+  assert (_kernels(program(shapes, param_rounding="stochastic", **narrow_state))
+          <= _kernels(program(shapes, **narrow_state)) + 1)
 
 
 @pytest.mark.skipif(not MEASURED_RELEASE, reason="figures read off JAX 0.10.2's compilers")

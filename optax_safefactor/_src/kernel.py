@@ -42,7 +42,7 @@ from optax_safefactor._src import bit_streams, numerics, xla_hints
 from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.placement import LeafPlacement
 from optax_safefactor._src.plan import FactorPlan
-from optax_safefactor._src.schedules import StepValues
+from optax_safefactor._src.schedules import Decay, StepValues
 from optax_safefactor._src.spikes import GRADIENT_KEPT_UP_TO, SquareSource
 from optax_safefactor._src.trees import keep_unless_skipped, select, zero_if_skipped
 from optax_safefactor._src.write_back import Rounding, is_narrow, store, write_back
@@ -137,29 +137,29 @@ def init_moment(leaf: LeafPlacement, plan: FactorPlan, state_dtype: Any, eps: An
                         leaf.full(plan.col_stat_shape(shape), floor, dtype))
 
 
-def _blend(old: jax.Array, new_mean: jax.Array, beta2: jax.Array) -> jax.Array:
+def _blend(old: jax.Array, new_mean: jax.Array, decay: Decay) -> jax.Array:
   r""":math:`\beta\,\mathrm{old} + (1-\beta)\,\mathrm{new}`, in the compute dtype."""
-  return beta2 * old.astype(new_mean.dtype) + (1 - beta2) * new_mean
+  return decay.beta2 * old.astype(new_mean.dtype) + decay.complement * new_mean
 
 
 def update_second_moment(
-    grad: jax.Array, moment: Moment, plan: FactorPlan, beta2: jax.Array, eps: Any,
+    grad: jax.Array, moment: Moment, plan: FactorPlan, decay: Decay, eps: Any,
     compute_dtype: Any, how: Rounding | None = None, *, with_square_terms: bool = False,
     rows_are_leaves: bool = False,
 ) -> tuple[Moment, jax.Array | None]:
   r"""The new statistics: :math:`r_t = \beta r + (1-\beta)\,\mathrm{mean}_C(|g|^2+\epsilon)`,
   :math:`c_t = \beta c + (1-\beta)\,\mathrm{mean}_R(|g|^2+\epsilon)` (keepdims), or
-  :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf; ``beta2`` is in
-  the real compute dtype.
+  :math:`v_t = \beta v + (1-\beta)(|g|^2+\epsilon)` for an unfactored leaf; ``decay`` (:math:`\beta`
+  and :math:`1-\beta`) is in the real compute dtype.
 
   With ``with_square_terms``, also where the spike rule reads :math:`\sum |g|^2` from
   (:class:`spikes.SquareSource`; for a factored leaf its row means; for unfactored leaves
   packed as rows, ``rows_are_leaves``, each row's sum), else ``None``."""
   ct = compute_dtype
-  eps = jnp.asarray(eps, beta2.dtype)
+  eps = jnp.asarray(eps, decay.beta2.dtype)
   if isinstance(moment, FullMoment):
     squares = abs_sq(grad.astype(ct))
-    blended = _blend(moment.v, squares + eps, beta2)
+    blended = _blend(moment.v, squares + eps, decay)
     terms = None
     if with_square_terms and rows_are_leaves:
       terms = SquareSource("sum", jnp.sum(squares, axis=tuple(range(1, squares.ndim))))
@@ -171,7 +171,7 @@ def update_second_moment(
   grad_for_rows, grad_for_cols = xla_hints.separate_reads(grad, grad)
   row_mean = jnp.mean(abs_sq(grad_for_rows.astype(ct)), plan.col_axes, keepdims=True) + eps
   col_mean = jnp.mean(abs_sq(grad_for_cols.astype(ct)), plan.row_axes, keepdims=True) + eps
-  blended = (_blend(moment.v_row, row_mean, beta2), _blend(moment.v_col, col_mean, beta2))
+  blended = (_blend(moment.v_row, row_mean, decay), _blend(moment.v_col, col_mean, decay))
   terms = (SquareSource("row_means", row_mean, grad.size // max(row_mean.size, 1))
            if with_square_terms else None)
   return FactoredMoment(*store(
@@ -376,7 +376,7 @@ def leaf_scaling(
   # A rounding write-back lands the update on a narrow param: it reads the param.
   reads_param_on_write_back = leaf.rounding is not None and is_narrow(param.dtype)
   new_moment, square_terms = update_second_moment(
-      grad, moment, plan, step.beta2[real_ct], hp.eps, ct, leaf.rounding,
+      grad, moment, plan, step.decay[real_ct], hp.eps, ct, leaf.rounding,
       with_square_terms=hp.skip_spikes is not None, rows_are_leaves=per_row)
   # With clipping, the statistics' finiteness rides on the clipping reduction.
   factors, finite = scale_factors(new_moment, plan, leaf.floor, leaf.cap, poison=clipping,

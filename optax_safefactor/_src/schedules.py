@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_safefactor._src import xla_hints
 from optax_safefactor._src.hyperparams import Hyperparams
 
 
@@ -49,11 +50,19 @@ def second_moment_decay(
 
 
 
+class Decay(NamedTuple):
+  r"""This step's second-moment decay in one real dtype: :math:`\beta_2` and its
+  complement :math:`1 - \beta_2`, each worked out once for the whole tree."""
+
+  beta2: jax.Array
+  complement: jax.Array
+
+
 class StepValues(NamedTuple):
   """This step's values of the scheduled hyperparameters, worked out once per step.
 
   Attributes:
-    beta2: the second-moment decay, by real compute dtype (float32, float64).
+    decay: the second-moment decay, by real compute dtype (float32, float64).
     learning_rate: this step's learning rate, or ``None`` when there is none.
     weight_decay_rate: this step's weight-decay rate, or ``None`` when off.
     hyperparams_finite: per name in :data:`CHECKED_HYPERPARAMS`, whether its value this
@@ -61,7 +70,7 @@ class StepValues(NamedTuple):
       the step is traced (a number checked at construction), else a bool scalar.
   """
 
-  beta2: dict[np.dtype, jax.Array]
+  decay: dict[np.dtype, Decay]
   learning_rate: Any | None
   weight_decay_rate: Any | None
   hyperparams_finite: tuple[jax.Array | bool, ...]
@@ -132,12 +141,29 @@ def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -
     values[name] = getattr(hp, name)
   finite = _finite_flags(values, real_dtypes)
   finite["decay_rate"] = _beta2_finite(hp, beta2)
+  decay = {}
+  for dtype, value in beta2.items():
+    decay[dtype] = Decay(value, 1 - value)
+  if isinstance(count, jax.core.Tracer):  # eager, there is nothing to schedule
+    decay, learning_rate, weight_decay_rate = _read_by_every_leaf(
+        decay, learning_rate, weight_decay_rate)
   return StepValues(
-      beta2=beta2,
+      decay=decay,
       learning_rate=learning_rate,
       weight_decay_rate=weight_decay_rate,
       hyperparams_finite=tuple([finite[name] for name in CHECKED_HYPERPARAMS]),
   )
+
+
+def _read_by_every_leaf(*values: Any) -> Any:
+  """``values`` with their traced scalars through :func:`xla_hints.step_scalars` (numbers
+  and ``None`` as they are); their finiteness is checked on the values before it."""
+  leaves, treedef = jax.tree.flatten(values)
+  traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
+  scalars = xla_hints.step_scalars(*[leaves[i] for i in traced])
+  for i, value in zip(traced, scalars, strict=True):
+    leaves[i] = value
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _beta2_finite(hp: Hyperparams, beta2: dict[np.dtype, jax.Array]) -> jax.Array | bool:

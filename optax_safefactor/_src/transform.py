@@ -204,8 +204,10 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     unit_order = [index for unit in units for index in unit.owned]
     finite_by_unit = flag_vector([packing.owned_rows(unit, finite) if unit.packed else finite
                                   for unit, (_, _, finite) in zip(units, first_half, strict=True)])
-    step_finite = (xla_hints.computed_once([finite_by_unit, *step.traced_flags()])
-                   if guarded else None)
+    step_finite = None
+    if guarded:
+      step_finite, finite_by_unit = xla_hints.skip_verdict(finite_by_unit,
+                                                           step.traced_flags())
     leaf_finite = (finite_by_unit if unit_order == sorted(unit_order)
                    else finite_by_unit[np.argsort(unit_order)])
     spike, applied = None, step_finite

@@ -49,7 +49,8 @@ MEASURED_ON_CPU = ("cpu",)
 #: within 0.01 pass either way). XLA:TPU keeps no such array (600-leaf tree: none).
 MEASURED_ON_CPU_AND_GPU = ("cpu", "cuda")
 
-#: Where :func:`pieces_apart` was measured to pay: XLA:GPU (H100, compiled without a device).
+#: Where :func:`pieces_apart`, :func:`step_scalars` and :func:`skip_verdict` were measured to
+#: pay: XLA:GPU (H100, compiled without a device).
 MEASURED_ON_GPU = ("cuda",)
 
 #: Where :func:`read_after` was measured to pay: XLA:TPU (v5e, compiled without a device).
@@ -197,6 +198,33 @@ def read_after(value: jax.Array, written: jax.Array) -> tuple[jax.Array, jax.Arr
   """
   value, written = _barrier_on(MEASURED_ON_TPU, [value, written])
   return value, written
+
+
+def step_scalars(*values: jax.Array) -> list[jax.Array]:
+  """The step's scalars that every leaf reads (the decay, a scheduled rate), computed once
+  in a kernel of their own on GPUs and read there as every kernel's operands.
+
+  XLA:GPU's fusion pass weighs fusing a producer into each of its consumers again
+  whenever one of them changes, so a cheap scalar read by every leaf (``beta2`` and
+  ``1 - beta2``: 250 and 610 weighings on GPT-2 small) costs a number of weighings that
+  grows with the square of the leaves; out of a barrier, it is a value no kernel can
+  copy, and the pass skips it. Elsewhere they are as they were.
+  """
+  return _barrier_on(MEASURED_ON_GPU, values)
+
+
+def skip_verdict(flags: jax.Array, others: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """The step's verdict, all of ``flags`` (one bool per unit) and ``others``
+  (:func:`computed_once`), and ``flags`` as the guard's counters should read them.
+
+  The verdict and the guard's two counters each read every flag, and XLA:GPU copies the
+  flags' scalar work (each leaf's ``isfinite`` of its sums) into each of the three: three
+  kernels of 55 operands each on the 1B slice. Through a barrier on GPUs, one kernel
+  computes the vector and the three read it; elsewhere the flags are as they were.
+  """
+  if isinstance(flags, jax.core.Tracer):  # eager, there is nothing to schedule
+    (flags,) = _barrier_on(MEASURED_ON_GPU, [flags])
+  return computed_once([flags, *others]), flags
 
 
 def _all_through_exp(flags: jax.Array) -> jax.Array:
