@@ -209,6 +209,9 @@ def step_scalars(*values: jax.Array) -> list[jax.Array]:
   ``1 - beta2``: 250 and 610 weighings on GPT-2 small) costs a number of weighings that
   grows with the square of the leaves; out of a barrier, it is a value no kernel can
   copy, and the pass skips it. Elsewhere they are as they were.
+
+  Pinned by
+  ``tests/test_accelerators.py::test_the_steps_scalars_and_flags_are_computed_once_for_a_gpu_only``.
   """
   return _barrier_on(MEASURED_ON_GPU, values)
 
@@ -221,6 +224,8 @@ def skip_verdict(flags: jax.Array, others: list[jax.Array]) -> tuple[jax.Array, 
   flags' scalar work (each leaf's ``isfinite`` of its sums) into each of the three: three
   kernels of 55 operands each on the 1B slice. Through a barrier on GPUs, one kernel
   computes the vector and the three read it; elsewhere the flags are as they were.
+
+  Pinned by ``tests/test_accelerators.py::test_each_leafs_finite_flag_is_computed_once_on_a_gpu``.
   """
   if isinstance(flags, jax.core.Tracer):  # eager, there is nothing to schedule
     (flags,) = _barrier_on(MEASURED_ON_GPU, [flags])
