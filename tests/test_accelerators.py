@@ -139,7 +139,7 @@ def test_the_steps_scalars_and_flags_are_computed_once_for_a_gpu_only(target, sc
 def test_each_leafs_finite_flag_is_computed_once_on_a_gpu(momentum):
   # xla_hints.skip_verdict: the verdict and the guard's two counters read every leaf's
   # flag. Without the barrier XLA:GPU copied the flags' isfinite work into the verdict's
-  # kernel and each counter's (the 1B slice: three kernels of 55 operands each): here
+  # kernel and each counter's (the 1B slice: three kernels of 54 and 55 operands): here
   # 32 isfinite instructions where the traced step has 16.
   target = _required("h100")
   tx = osf.safefactor(1e-3, momentum=momentum)
