@@ -152,6 +152,22 @@ def test_the_skipped_step_returns_zero_updates_and_the_report_names_it():
   assert summary.endswith(f"> limit {limit:.4g}, largest in params['w'])")
 
 
+@pytest.mark.parametrize("subject", sorted(SUBJECTS))
+def test_a_fresh_spike_history_says_no_spike_yet(subject):
+  # Guards against a starting value that reads as a spike seen: before any spike the state's
+  # own fields (what a log or a checkpoint shows) say none, as SpikeHistory documents.
+  history = SUBJECTS[subject](skip_spikes=6.0, spike_window=16).init(_params()).spikes
+  assert {name: int(getattr(history, name)) for name in (
+      "length", "position", "consecutive_spikes", "skipped_spikes", "last_spike_step",
+      "last_spike_statistic", "last_spike_leaf")} == {
+          "length": 0, "position": 0, "consecutive_spikes": 0, "skipped_spikes": 0,
+          "last_spike_step": -1, "last_spike_statistic": -1, "last_spike_leaf": -1}
+  for name in ("last_spike_value", "last_spike_limit", "last_spike_leaf_norm"):
+    assert np.isnan(float(getattr(history, name))), name
+  assert history.gradient_norms.shape == history.losses.shape == (16,)
+  assert is_all_zero(history.gradient_norms) and bool(jnp.all(jnp.isnan(history.losses)))
+
+
 def test_no_decision_before_half_a_window():
   window = 16
   for spike_at, skipped_expected in ((window // 2 - 1, False), (window // 2, True)):

@@ -56,12 +56,15 @@ class SpikeHistory(NamedTuple):
     consecutive_spikes: spike skips since the last applied step (int32).
     skipped_spikes: steps skipped as spikes in all (int32).
     last_spike_step: the guard's ``step`` at the last skipped spike, or -1 (int32).
-    last_spike_statistic: 0 when that spike was the gradient norm's, 1 the loss's (int32).
-    last_spike_value: that statistic's value at the last skipped spike (float32).
-    last_spike_limit: the limit it was above (float32).
+    last_spike_statistic: 0 when that spike was the gradient norm's, 1 the loss's, or -1
+      (int32).
+    last_spike_value: that statistic's value at the last skipped spike, or NaN (float32).
+    last_spike_limit: the limit it was above, or NaN (float32).
     last_spike_leaf: the index, in the params' tree order, of the leaf whose gradient
       norm was largest at the last skipped spike, or -1 (int32).
-    last_spike_leaf_norm: that leaf's gradient norm (float32).
+    last_spike_leaf_norm: that leaf's gradient norm, or NaN (float32).
+
+  Before any spike the ``last_spike_`` fields hold their "none" values, -1 and NaN.
   """
 
   gradient_norms: jax.Array
