@@ -9,7 +9,9 @@ against ``optax.adafactor`` compiled alike:
   / the params' bytes. ``p - lr * g`` moves 3 (any step reads g and p and writes p);
   Adafactor's exact floor and the guarded step's floor are printed beside it
   (:func:`floors`).
-* temporaries: XLA's temporary buffers / the params' bytes.
+* temporaries: XLA's temporary buffers / the params' bytes (``temp_size_in_bytes``; on TPU
+  the compiler's buffer assignment shows them to be mostly the handles of on-chip prefetches,
+  docs/benchmarks.md, "What XLA:TPU's temporaries are").
 * fusions: fused kernels in the optimised program.
 * compile: seconds to trace, lower and compile (one compile, in this process).
 
