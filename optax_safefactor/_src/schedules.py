@@ -144,7 +144,9 @@ def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -
   decay = {}
   for dtype, value in beta2.items():
     decay[dtype] = Decay(value, 1 - value)
-  if isinstance(count, jax.core.Tracer):  # eager, there is nothing to schedule
+  # Eager there is nothing to schedule (step_scalars would hand the values back as they
+  # are); not calling it keeps an eager update's path within its budget of calls.
+  if isinstance(count, jax.core.Tracer):
     decay, learning_rate, weight_decay_rate = _read_by_every_leaf(
         decay, learning_rate, weight_decay_rate)
   return StepValues(

@@ -227,7 +227,7 @@ def skip_verdict(flags: jax.Array, others: list[jax.Array]) -> tuple[jax.Array, 
 
   Pinned by ``tests/test_accelerators.py::test_each_leafs_finite_flag_is_computed_once_on_a_gpu``.
   """
-  if isinstance(flags, jax.core.Tracer):  # eager, there is nothing to schedule
+  if isinstance(flags, jax.core.Tracer):  # as _barrier_on checks; saves an eager call
     (flags,) = _barrier_on(MEASURED_ON_GPU, [flags])
   return computed_once([flags, *others]), flags
 
