@@ -262,10 +262,10 @@ def _unit_after_unit(hp: Hyperparams, step: schedules.StepValues,
   """Both halves of every unit's step without a guard: no verdict to wait for, so each
   unit's update follows its own scaling.
 
-  With momentum, on the compilers where it pays (:func:`xla_hints.read_after`), a unit's
-  gradient is read only once the unit before it has written its new momentum, so that
-  each leaf's reads and writes come together rather than every leaf's scaling first and
-  every update last.
+  On the compilers where it pays, a unit's gradient is read only once the unit before it
+  has written its new momentum (:func:`xla_hints.read_after`), or without momentum its
+  update (:func:`xla_hints.read_after_update`), so that each leaf's reads and writes come
+  together rather than every leaf's scaling first and every update last.
   """
   first_half, second_half = [], []
   for grad, leaf, moment, param, momentum, compensation in inputs:
@@ -273,6 +273,8 @@ def _unit_after_unit(hp: Hyperparams, step: schedules.StepValues,
       update, written, *rest = second_half[-1]
       grad, written = xla_hints.read_after(grad, written)
       second_half[-1] = (update, written, *rest)
+    elif second_half:
+      grad, moment = xla_hints.read_after_update(grad, moment, second_half[-1][0])
     new_moment, scaling, finite = kernel.leaf_scaling(hp, step, grad, leaf, moment, param,
                                                       momentum, compensation)
     first_half.append((new_moment, scaling, finite))
