@@ -1,11 +1,15 @@
 """Compiled-program structure: linear in the number of leaves, no full-size temporaries."""
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import optax_safefactor as osf
+from optax_safefactor._src import xla_hints
 from tests.helpers import distinct_loop_kernels
 
 
@@ -151,3 +155,27 @@ def test_leaves_of_other_sizes_share_kernels(momentum):
   one = kernels([(128, 256)])
   four = kernels([(128, 256), (128, 320), (128, 384), (128, 448)])
   assert (four - one) / 3 < (7.8 if momentum is None else 8.8), (one, four)
+
+
+_LINK = jax.jit(xla_hints._after_largest)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(pattern=st.integers(0, 2**32 - 1),
+                  state_dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_the_link_between_units_changes_no_value(pattern, state_dtype):
+  # xla_hints.read_after_update's TPU form, run here: the zero it makes from the previous
+  # update's largest magnitude is zero for every float32 bit pattern (NaN and Inf
+  # included), so the gradient and the statistics come out bit for bit as they went in.
+  update = jax.lax.bitcast_convert_type(jnp.array([pattern], jnp.uint32), jnp.float32)
+  grad = jnp.array([0.5, -0.0, jnp.inf, jnp.nan], jnp.bfloat16)
+  statistics = [jnp.array([1e-30, 3.0, jnp.inf, jnp.nan], state_dtype),
+                jnp.array([[0.0, 7.0]], state_dtype)]
+  out = _LINK(grad, update, *statistics)
+  for before, after in zip([grad, *statistics], out, strict=True):
+    assert after.dtype == before.dtype
+    np.testing.assert_array_equal(
+        jax.lax.bitcast_convert_type(after, jnp.uint16 if after.dtype.itemsize == 2
+                                     else jnp.uint32),
+        jax.lax.bitcast_convert_type(before, jnp.uint16 if before.dtype.itemsize == 2
+                                     else jnp.uint32))

@@ -7,9 +7,15 @@ else, so that a step traced on a CPU host and compiled for a TPU (ahead of time,
 ``python -m optax_safefactor bench --target tpu-v5e``) gets the TPU's program. Eager, under
 ``jax.vmap`` and under differentiation, the plain form is what runs.
 
->>> double = lambda x: [x * 2]
->>> [float(y) for y in choose(("tpu",), double, double, [jnp.ones(())], [jax.typeof(jnp.ones(()))])]
-[2.0]
+Two forms that differ, to show which runs (a hint's two forms compute the same values):
+
+>>> hinted, plain, one = (lambda x: [x + 1]), (lambda x: [x + 2]), jnp.ones(())
+>>> float(choose(("cpu",), hinted, plain, [one], [jax.typeof(one)])[0])  # eager: plain
+3.0
+>>> def step(platforms):
+...   return jax.jit(lambda x: choose(platforms, hinted, plain, [x], [jax.typeof(x)])[0])
+>>> float(step(("cpu",))(one)), float(step(("tpu",))(one))  # lowered for this CPU
+(2.0, 3.0)
 """
 
 from __future__ import annotations

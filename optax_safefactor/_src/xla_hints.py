@@ -155,7 +155,8 @@ def read_after_update(value: jax.Array, statistics: T, update: jax.Array) -> tup
 
   Pinned by ``tests/test_accelerators.py::test_unguarded_steps_run_unit_after_unit_on_tpu``,
   ``tests/test_accelerators.py::test_an_unguarded_step_moves_less_than_optax_on_tpu`` and
-  ``tests/test_accelerators.py::test_a_sharded_update_is_not_linked_on_tpu``.
+  ``tests/test_accelerators.py::test_a_sharded_update_is_not_linked_on_tpu``; its values by
+  ``tests/test_compile.py::test_the_link_between_units_changes_no_value``.
 
   >>> value, statistics = read_after_update(jnp.ones(2), [jnp.full(1, 3.0)], jnp.zeros(2))
   >>> value.tolist(), statistics[0].tolist()  # eager: unchanged
