@@ -172,7 +172,7 @@ def test_the_link_between_units_changes_no_value(pattern, state_dtype):
   statistics = [jnp.array([1e-30, 3.0, jnp.inf, jnp.nan], state_dtype),
                 jnp.array([[0.0, 7.0]], state_dtype)]
   out = _LINK(grad, update, *statistics)
-  for before, after in zip([grad, *statistics], out, strict=True):
+  for before, after in zip([grad, update, *statistics], out, strict=True):
     assert after.dtype == before.dtype
     np.testing.assert_array_equal(
         jax.lax.bitcast_convert_type(after, jnp.uint16 if after.dtype.itemsize == 2

@@ -166,9 +166,12 @@ def read_after_update(value: jax.Array, statistics: T, update: jax.Array) -> tup
       or not placement.is_replicated(update)):
     return value, statistics
   leaves, treedef = jax.tree.flatten(statistics)
-  value, *leaves = per_compiler.choose(
-      MEASURED_ON_TPU, _after_largest, lambda value, _, *leaves: [value, *leaves],
-      [value, update, *leaves], [jax.typeof(x) for x in (value, *leaves)])
+  # The update comes back out unchanged, so that the plain form is per_compiler.unchanged,
+  # which the other platforms lower without tracing anything.
+  args = [value, update, *leaves]
+  value, _, *leaves = per_compiler.choose(MEASURED_ON_TPU, _after_largest,
+                                          per_compiler.unchanged, args,
+                                          [jax.typeof(x) for x in args])
   return value, jax.tree.unflatten(treedef, leaves)
 
 
@@ -179,7 +182,7 @@ def _after_largest(value: jax.Array, update: jax.Array,
   bits = jax.lax.bitcast_convert_type(largest, jnp.uint32)
   zero = jax.lax.shift_right_logical(jax.lax.shift_right_logical(bits, np.uint32(31)),
                                      np.uint32(1))
-  return [value, *[s + zero.astype(s.dtype) for s in statistics]]
+  return [value, update, *[s + zero.astype(s.dtype) for s in statistics]]
 
 
 def step_scalars(*values: jax.Array) -> list[jax.Array]:
