@@ -49,6 +49,23 @@ def test_state_for_other_params_is_refused():
     tx.update(grads, state)
 
 
+def test_grads_with_a_leaf_the_state_lacks_are_named():
+  # Without params to compare with, the state's own tree is what the grads must match.
+  tx = osf.scale_by_safe_factored_rms()
+  state = tx.init({"w": jnp.ones((4, 3))})
+  with pytest.raises(ValueError, match=r"in grads but not in the optimizer state: "
+                                       r"params\['v'\]"):
+    tx.update({"w": jnp.ones((4, 3)), "v": jnp.ones(3)}, state)
+
+
+def test_accumulation_refuses_integer_params_at_init():
+  # The accumulator sums gradients in the param's floating compute dtype: an integer param has
+  # none.
+  tx = osf.accumulate_gradients(optax.sgd(0.1), 2)
+  with pytest.raises(TypeError, match=r"params\['step'\]: param dtype int32"):
+    tx.init({"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)})
+
+
 def test_integer_params_are_refused_at_init():
   with pytest.raises(TypeError, match=r"params\['step'\]: param dtype int32"):
     osf.safefactor(0.1).init({"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)})

@@ -140,6 +140,27 @@ def test_small_reductions_are_library_kernels(pack):
   assert "reduce-window(" not in text
 
 
+@pytest.mark.parametrize("shape, axes, padded", [
+    ((300,), (0,), "4096xf32"),              # the whole array: padded to the size itself
+    ((256, 12), (1,), "256x16xf32"),         # 256 rows: each padded to 4096 / 256 columns
+    ((12, 256), (0,), "256x16xf32"),         # the kept axis first, then the same padding
+    ((3, 7, 5), (0, 2), "7x586xf32"),        # 7 rows of 15: ceil(4096 / 7) columns
+])
+def test_small_sums_are_padded_to_the_library_size_exactly(shape, axes, padded):
+  # Padded past LIBRARY_REDUCTION_SIZE the sum is still a library kernel, only longer; short
+  # of it, it is LLVM loop kernels again. So the CPU's padded reduction is pinned exactly:
+  # rows times the fewest columns that reach the size. The value is the plain sum.
+  x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+  summed = jax.jit(lambda x: xla_hints.sum_of(x, axes))
+  text = summed.lower(x).as_text()
+  assert "stablehlo.pad" in text and f"-> tensor<{padded}>" in text, text
+  np.testing.assert_allclose(summed(x), np.sum(np.asarray(x, np.float64), axes, keepdims=True),
+                             rtol=1e-5, atol=1e-5)
+  # At the size itself there is nothing to pad.
+  whole = jnp.ones((xla_hints.LIBRARY_REDUCTION_SIZE,), jnp.float32)
+  assert "stablehlo.pad" not in jax.jit(lambda x: xla_hints.sum_of(x, (0,))).lower(whole).as_text()
+
+
 @pytest.mark.xla_cpu_kernels
 @pytest.mark.parametrize("momentum", [None, 0.9])
 def test_leaves_of_other_sizes_share_kernels(momentum):
