@@ -608,6 +608,25 @@ def test_state_and_structure():
       assert state.compensation is None
 
 
+@pytest.mark.parametrize("mode", write_back.ROUNDING_MODES)
+def test_an_empty_tree_steps_to_an_empty_update(mode):
+  # A model whose trainable part is empty (every leaf masked away, say) still steps.
+  tx = with_param_rounding(optax.sgd(1e-3), mode)
+  updates, state = tx.update({}, tx.init({}), {})
+  assert updates == {} and int(state.count) == 1
+
+
+def test_the_default_seed_is_zero():
+  # The documented default: a run without a seed draws seed 0's bits, so it is repeatable
+  # across releases, and another seed draws others.
+  params, grads = _tree(0), [_tree(s) for s in (1, 2)]
+  default, _ = _run(with_param_rounding(optax.sgd(2e-3), "stochastic"), params, grads)
+  zero, _ = _run(with_param_rounding(optax.sgd(2e-3), "stochastic", seed=0), params, grads)
+  one, _ = _run(with_param_rounding(optax.sgd(2e-3), "stochastic", seed=1), params, grads)
+  assert_trees_bitwise_equal(default, zero)
+  assert np.mean(np.asarray(default["w"]) != np.asarray(one["w"])) > 0.1
+
+
 def test_kahan_keeps_no_buffer_for_wide_params():
   params = {"narrow": jnp.ones(3, jnp.bfloat16), "wide": jnp.ones(3, jnp.float32)}
   tx = with_param_rounding(optax.sgd(1e-3), "kahan")

@@ -34,7 +34,8 @@ class ParamRoundingState(NamedTuple):
 
 
 def _dtype(x: Any) -> np.dtype:
-  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.asarray(x).dtype)
+  # Every leaf has one: init and update refuse a leaf that is not an array first.
+  return np.dtype(x.dtype)
 
 
 def _is_narrow(x: Any) -> bool:
