@@ -212,10 +212,10 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                    else finite_by_unit[np.argsort(unit_order)])
     spike, applied = None, step_finite
     if guarded and hp.skip_spikes is not None:
+      # per_leaf splits packed units only: each row is its own leaf's sum.
       terms = per_leaf([scaling.square_terms for _, scaling, _ in first_half],
-                       lambda unit, terms: [
-                           terms if not unit.packed else spikes.SquareSource("sum", value)
-                           for value in packing.rows(unit, terms.values)])
+                       lambda unit, terms: [spikes.SquareSource("sum", value)
+                                            for value in packing.rows(unit, terms.values)])
       spike = spikes.judge(state.spikes, spikes.sums_by_leaf(terms, hp.eps),
                            spikes.loss_given(extra_args), hp.skip_spikes,
                            step_finite)
