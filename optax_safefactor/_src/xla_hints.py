@@ -470,7 +470,8 @@ def sum_of(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   reshard. Other compilers have no library reductions to reach: they reduce ``x`` as it
   is.
 
-  Pinned by ``tests/test_compile.py::test_small_reductions_are_library_kernels``.
+  Pinned by ``tests/test_compile.py::test_small_reductions_are_library_kernels``; its
+  padded sizes by ``tests/test_compile.py::test_small_sums_are_padded_to_the_library_size_exactly``.
 
   >>> sum_of(jnp.arange(6.0).reshape(2, 3), (1,)).tolist()
   [[3.0], [12.0]]
