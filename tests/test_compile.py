@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from optax_safefactor._src import xla_hints
+from optax_safefactor._src import trees, xla_hints
 from tests.helpers import distinct_loop_kernels
 
 
@@ -159,6 +159,31 @@ def test_small_sums_are_padded_to_the_library_size_exactly(shape, axes, padded):
   # At the size itself there is nothing to pad.
   whole = jnp.ones((xla_hints.LIBRARY_REDUCTION_SIZE,), jnp.float32)
   assert "stablehlo.pad" not in jax.jit(lambda x: xla_hints.sum_of(x, (0,))).lower(whole).as_text()
+
+
+@pytest.mark.parametrize("pred, on_true, on_false", [
+    (True, np.ones(3), np.zeros(3)),            # a scalar predicate, values of one shape
+    ([True, False, True], np.ones(3), 0.0),     # a predicate of their shape, a scalar filled
+    (False, np.ones((2, 3)), 0.0),              # a scalar predicate, a scalar filled
+])
+def test_the_skips_select_is_one_select_op(pred, on_true, on_false):
+  # jnp.where wraps itself in a jit of its own, a call that XLA must inline again: hundreds
+  # of them in a step of hundreds of leaves. trees.select lowers to the select op alone.
+  pred, on_true = jnp.asarray(pred), jnp.asarray(on_true, jnp.float32)
+  selected = jax.jit(lambda p, a: trees.select(p, a, on_false))
+  text = selected.lower(pred, on_true).as_text()
+  assert "stablehlo.select" in text and "call @" not in text, text
+  np.testing.assert_array_equal(selected(pred, on_true), np.where(pred, on_true, on_false))
+
+
+@pytest.mark.parametrize("pred, on_true, on_false", [
+    (True, 0.0, np.ones(3)),                    # a scalar on_true against an array: broadcast
+    ([[True], [False]], np.ones((2, 3)), 0.0),  # a predicate of another shape: broadcast
+])
+def test_a_select_of_other_shapes_broadcasts_as_where_does(pred, on_true, on_false):
+  got = trees.select(jnp.asarray(pred), on_true, on_false)
+  np.testing.assert_array_equal(got, np.where(pred, on_true, on_false))
+  assert got.dtype == jnp.asarray(on_true).dtype
 
 
 @pytest.mark.xla_cpu_kernels
