@@ -225,6 +225,35 @@ def test_checked_mode_compiled_without_checkify_names_the_setting(build):
   assert int(new_state.step) == 1
 
 
+def test_checked_mode_vmaps_under_checkify():
+  # An ensemble of two optimizers stepped by one vmapped step: the checked marker is batched
+  # with its member (its batching rule), and only the member with NaN is skipped and named.
+  tx = osf.safefactor(0.1, checked=True)
+  one = {"dense": {"kernel": jnp.ones((4, 3))}}
+  params = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), one)
+  states = jax.vmap(tx.init)(params)
+  checked = jax.jit(checkify.checkify(jax.vmap(lambda state, grads, params:
+                                               tx.update(grads, state, params))))
+  good = jax.tree.map(jnp.ones_like, params)
+  error, (updates, _) = checked(states, good, params)
+  error.throw()
+
+  def member(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+  for i in range(2):
+    alone, _ = tx.update(member(good, i), member(states, i), member(params, i))
+    np.testing.assert_array_equal(member(updates, i)["dense"]["kernel"],
+                                  alone["dense"]["kernel"])
+  bad = {"dense": {"kernel": good["dense"]["kernel"].at[1, 1, 2].set(jnp.nan)}}
+  error, (updates, new_states) = checked(states, bad, params)
+  with pytest.raises(checkify.JaxRuntimeError, match=r"params\['dense'\]\['kernel'\]: non-finite"):
+    error.throw()
+  assert osf.skipped_steps(new_states).tolist() == [0, 1]
+  assert not is_all_zero(updates["dense"]["kernel"][0])
+  assert is_all_zero(updates["dense"]["kernel"][1])
+
+
 _CHEXIFY_RUN = """
 import chex, jax, jax.numpy as jnp
 from jax.experimental import checkify
