@@ -350,3 +350,9 @@ def distinct_loop_kernels(compiled_text: str) -> int:
 
   return len({normalised(match.group(1)) for line in bodies.get("ENTRY", [])
               if (match := _LOOP_FUSION.search(line))})
+
+
+def seed_for(mode: str, seed: int) -> int:
+  """``seed`` where ``mode`` draws bits (stochastic rounding), else 0: a seed other than 0
+  warns that it has no effect under the other modes."""
+  return seed if mode == "stochastic" else 0

@@ -90,6 +90,25 @@ def test_a_run_already_past_max_consecutive_stops_at_its_next_skip(jit):
     jax.block_until_ready(update(grads(4), state, params))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_injected_bound_stops_the_run_as_a_static_one_does(jit):
+  # optax.inject_hyperparams makes max_consecutive_skips an array, traced under jax.jit: the
+  # host callback closed over it and every step after the first failed with JAX's
+  # UnexpectedTracerError instead of running (or raising this library's error).
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+  grads = _nan_at({1, 2, 3})
+  tx = optax.inject_hyperparams(osf.safefactor)(learning_rate=0.1, max_consecutive_skips=3)
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  for step in range(3):
+    _, state = update(grads(step), state, params)
+    jax.block_until_ready(state)
+  assert int(osf.skipped_steps(state)) == 2
+  error = jax.errors.JaxRuntimeError if jit else osf.NonFiniteStepsError
+  with pytest.raises(error, match=r"3 consecutive optimizer steps.*params\['a'\]"):
+    jax.block_until_ready(update(grads(3), state, params))
+
+
 def test_a_guard_over_an_empty_tree_with_a_bound_steps():
   # A masked-out subset can leave a guard no leaves at all.
   for tx in (osf.safefactor(0.1, max_consecutive_skips=2),

@@ -1,5 +1,7 @@
 """Arguments a user gets wrong are refused when the optimizer is built, by their own name."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +33,24 @@ PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)}}
     ({"max_consecutive_skips": True}, ValueError, r"max_consecutive_skips must be a positive int"),
     ({"factor_rules": {"kernel": ("row", "column")}}, TypeError,
      r"factor_rules must be a function \(or None\), got a dict.*logical_factor_rules"),
+    # A switch given as a string read as True ("no" scaled by the param's RMS), or as 0/1.
+    ({"multiply_by_parameter_scale": "no"}, TypeError,
+     r"multiply_by_parameter_scale must be True or False, got 'no'"),
+    ({"factored": "yes"}, TypeError, r"factored must be True or False, got 'yes'"),
+    ({"skip_nonfinite_steps": 0}, TypeError, r"skip_nonfinite_steps must be True or False"),
+    ({"checked": 1}, TypeError, r"checked must be True or False, got 1"),
+    # A size of 2.5 was accepted where decay_offset=1.5 was refused.
+    ({"min_dim_size_to_factor": 2.5}, ValueError,
+     r"min_dim_size_to_factor must be a whole number of at least 1, got 2.5"),
+    # Without the guard these checked nothing and stopped nothing, silently.
+    ({"checked": True, "skip_nonfinite_steps": False}, ValueError,
+     r"checked raises for the steps the non-finite guard skips, so it needs "
+     r"skip_nonfinite_steps=True"),
+    ({"max_consecutive_skips": 3, "skip_nonfinite_steps": False}, ValueError,
+     r"max_consecutive_skips stops a run .* needs skip_nonfinite_steps=True"),
+    # The maximum won: every param scaled by 0.1.
+    ({"min_parameter_scale": 1.0, "max_parameter_scale": 0.1}, ValueError,
+     r"min_parameter_scale=1.0 is above max_parameter_scale=0.1"),
 ])
 def test_safefactor_names_the_bad_argument(kwargs, error, message):
   with pytest.raises(error, match=message):
@@ -142,3 +162,34 @@ def test_the_settings_defaults_are_the_factories_defaults():
       if name in parameters and parameters[name].default != default:
         differ.add((factory.__name__, name))
   assert differ == {("safefactor", "skip_nonfinite_steps")}
+
+
+@pytest.mark.parametrize("kwargs,used,message", [
+    ({"rounding_seed": 3}, {"param_rounding": "stochastic"},
+     r"rounding_seed=3 seeds stochastic rounding's bits, which param_rounding='nearest' "
+     r"does not draw: it has no effect"),
+    ({"rounding_seed": 3, "param_rounding": "kahan"}, {"param_rounding": "stochastic"},
+     r"rounding_seed=3 .* param_rounding='kahan' does not draw"),
+    ({"spike_window": 64}, {"skip_spikes": 6.0},
+     r"spike_window=64 sets the spike rule's history, and skip_spikes is not set"),
+    ({"weight_decay_mask": {"dense": True}}, {"weight_decay_rate": 0.1},
+     r"weight_decay_mask selects the params that weight_decay_rate decays, and none is set"),
+])
+def test_an_argument_that_another_leaves_without_effect_warns(kwargs, used, message):
+  # Accepted (a config swept over the other argument is a fair use), never silently: the
+  # warning points at the line that built the optimizer.
+  with pytest.warns(UserWarning, match=message) as caught:
+    osf.safefactor(1e-3, **kwargs)
+  assert [warning.filename for warning in caught] == [__file__]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    osf.safefactor(1e-3, **{**kwargs, **used})
+
+
+def test_with_param_rounding_warns_of_a_seed_its_mode_does_not_draw():
+  with pytest.warns(UserWarning, match=r"seed=3 .* mode='kahan' does not draw"):
+    osf.with_param_rounding(optax.sgd(0.1), mode="kahan", seed=3)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    osf.with_param_rounding(optax.sgd(0.1), mode="stochastic", seed=3)
+    osf.with_param_rounding(optax.sgd(0.1), mode="kahan")

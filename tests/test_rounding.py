@@ -49,6 +49,7 @@ from tests.helpers import (
   assert_trees_bitwise_equal,
   mean_of_last_losses,
   run_steps,
+  seed_for,
   tanh_mlp_regression,
 )
 
@@ -655,7 +656,8 @@ def test_params_are_required_except_for_nearest():
 def test_float32_params_are_untouched(mode):
   params, grads = _tree(0, jnp.float32), [_tree(s, jnp.float32) for s in (1, 2, 3)]
   inner = optax.adamw(1e-2, weight_decay=1e-2)
-  got_params, got_state = _run(with_param_rounding(inner, mode, seed=3), params, grads)
+  tx = with_param_rounding(inner, mode, seed=seed_for(mode, 3))
+  got_params, got_state = _run(tx, params, grads)
   want_params, want_state = _run(inner, params, grads)
   assert_trees_bitwise_equal(got_params, want_params)
   assert_trees_bitwise_equal(got_state.inner_state, want_state)
@@ -664,7 +666,7 @@ def test_float32_params_are_untouched(mode):
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
 def test_updates_land_on_the_rounded_targets(mode):
   params, grads = _tree(0), _tree(1)
-  tx = with_param_rounding(optax.sgd(1e-3), mode, seed=5)
+  tx = with_param_rounding(optax.sgd(1e-3), mode, seed=seed_for(mode, 5))
   state = tx.init(params)
   updates, new_state = jax.jit(tx.update)(grads, state, params)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -710,7 +712,7 @@ def test_the_count_advances_every_step_and_picks_new_bits(mode):
   # a bias that no single step shows. The same grads and params every step, so any
   # difference between two steps' updates comes from the bits.
   params, grads = _tree(0), _tree(1)
-  tx = with_param_rounding(optax.sgd(2e-3), mode, seed=3)
+  tx = with_param_rounding(optax.sgd(2e-3), mode, seed=seed_for(mode, 3))
   update = jax.jit(tx.update)
   state = tx.init(params)
   history = []
@@ -727,7 +729,7 @@ def test_the_count_advances_every_step_and_picks_new_bits(mode):
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
 def test_sharded_runs_equal_single_device_runs_bit_for_bit(axis_type, mode):
-  tx = with_param_rounding(optax.adamw(3e-3, weight_decay=1e-2), mode, seed=7)
+  tx = with_param_rounding(optax.adamw(3e-3, weight_decay=1e-2), mode, seed=seed_for(mode, 7))
   grads = [_tree(s, scale=0.1) for s in (1, 2, 3)]
   single_params, single_state = _run(tx, _tree(0), grads)
   mesh = _mesh(axis_type)

@@ -95,24 +95,30 @@ def safefactor(
     eps: added to squared gradients; also the floor under every rsqrt.
     factored: whether to factor second moments at all.
     weight_decay_mask: a tree (or a function of params returning one) of bools
-      choosing the leaves that decay.
+      choosing the leaves that decay (without ``weight_decay_rate`` it warns that it
+      has no effect).
     state_dtype: dtype name of the second moment; ``None`` for float32 (float64 for
-      float64 params).
+      float64 params). ``"float16"`` statistics overflow once a gradient element
+      reaches 256 (its square passes float16's largest value), and each such step is
+      skipped as non-finite: ``"bfloat16"`` halves the state with float32's range.
     beta2_cap: an upper bound on beta2, as big_vision's 0.999; ``None`` for none.
     min_parameter_scale: the smallest parameter scale (``optax``'s 1e-3).
-    max_parameter_scale: the largest parameter scale, or ``None``.
+    max_parameter_scale: the largest parameter scale, or ``None``; at least
+      ``min_parameter_scale``.
     skip_nonfinite_steps: skip and count non-finite steps, as :func:`skip_nonfinite`
       does (the state is then a :class:`SkipNonfiniteState`). The decision comes from
       statistics the step computes anyway, inside this transformation's own update,
       so it holds under any wrapping (``optax.chain``, ``inject_hyperparams``,
       ``masked``, ``MultiSteps``...).
-    max_consecutive_skips: as :func:`skip_nonfinite`'s ``max_consecutive``.
+    max_consecutive_skips: as :func:`skip_nonfinite`'s ``max_consecutive``; needs
+      ``skip_nonfinite_steps``. Injectable with ``optax.inject_hyperparams``.
     factor_rules: ``(path, shape) -> roles`` choosing each axis's role: ``"row"``,
       ``"column"``, ``"batch"`` (a separate slice: stacked layers, experts),
       ``"none"``, or ``None`` to leave it to the heuristic; the callable may return
       ``None`` for the heuristic on the whole leaf. See :func:`logical_factor_rules`.
     checked: as :func:`skip_nonfinite`'s ``checked``: raise through checkify on the
-      first non-finite leaf, with its path and the step (debugging).
+      first non-finite leaf, with its path and the step (debugging); needs
+      ``skip_nonfinite_steps``.
     param_rounding: how the update lands on params narrower than float32 (bfloat16,
       float16): ``"nearest"`` rounds the update to the param dtype (optax's behaviour:
       updates below half an ulp of the param are lost); ``"stochastic"`` lands the
@@ -124,7 +130,8 @@ def safefactor(
       need a ``learning_rate``: the rounded update must be the final one.
     rounding_seed: an int keying ``"stochastic"``'s random bits, together with the
       step, the param's path and each element's index (so the bits are the same on
-      any sharding or number of hosts).
+      any sharding or number of hosts). A seed other than 0 with another mode warns
+      that it has no effect.
     skip_spikes: also skip, and count, finite spikes. Two statistics are judged, each
       against its own history: the global gradient norm, always, and the loss, on the
       steps whose ``update`` is given ``value=loss``. A step is a spike when either is
@@ -142,12 +149,18 @@ def safefactor(
       out of the history; after ``spike_window // 2`` spike skips in a row the next spike
       is taken and the history restarts from it, so a lasting change of scale costs at
       most that many skipped steps. The gradient norm is read off the second-moment
-      statistics the step computes anyway. Spikes count in :func:`skipped_steps` and
+      statistics the step computes anyway, so it is the norm of the gradients this
+      transformation is given: behind ``optax.clip_by_global_norm`` no spike shows, and
+      the clip goes inside ``skip_nonfinite(..., skip_spikes=...)`` instead (the guide
+      "Non-finite steps, spikes and gradient accumulation" shows how). A non-finite loss
+      is not a spike.
+      Spikes count in :func:`skipped_steps` and
       :func:`skipped_spikes`, not toward ``max_consecutive_skips``; needs
       ``skip_nonfinite_steps``. Injectable with ``optax.inject_hyperparams``.
     spike_window: the steps of history the spike rule keeps (an int of at least 2). It
       sets the state's shape: under ``optax.inject_hyperparams`` pass it in
-      ``static_args``.
+      ``static_args``. Another window without ``skip_spikes`` warns that it has no
+      effect.
     pack_small_leaves: step the small unfactored leaves (biases, norm scales: up to
       2,048 elements) that share a size, dtypes and settings, where there are 16 or more
       of them, four at a time, as the rows of one array. Each leaf keeps its own clipping,

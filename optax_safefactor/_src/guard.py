@@ -54,10 +54,11 @@ from optax_safefactor._src.trees import (
 )
 
 
-def _raise_if_over(consecutive, step, leaf_finite, hyperparams_finite, *, leaf_names,
-                   hyperparam_names, max_consecutive) -> None:
+def _raise_if_over(consecutive, step, leaf_finite, hyperparams_finite, max_consecutive, *,
+                   leaf_names, hyperparam_names) -> None:
   """On the host: raise :class:`NonFiniteStepsError` naming the hyperparameters and the
   leaves that were not finite."""
+  max_consecutive = int(max_consecutive)
   if int(consecutive) >= max_consecutive:
     def bad(names, finite):
       return [name for name, ok in zip(names, np.asarray(finite), strict=True) if not ok]
@@ -77,8 +78,10 @@ def _stop_after_max_consecutive(consecutive, step, leaf_finite, hyperparams_fini
   type itself from the state.
   """
   raise_if_over = partial(_raise_if_over, leaf_names=leaf_names,
-                          hyperparam_names=hyperparam_names, max_consecutive=max_consecutive)
-  flags = (consecutive, step, leaf_finite, hyperparams_finite)
+                          hyperparam_names=hyperparam_names)
+  # The limit goes to the host as an operand: injected by optax.inject_hyperparams, it is
+  # traced, and a callback must not close over a tracer.
+  flags = (consecutive, step, leaf_finite, hyperparams_finite, max_consecutive)
   if not isinstance(consecutive, jax.core.Tracer):
     raise_if_over(*flags)
     return

@@ -9,6 +9,7 @@ validation row, if it has one) and reading it where it is used.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -94,7 +95,8 @@ class Hyperparams(NamedTuple):
 _NUMBER_RULES: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
     ("learning_rate", "finite", math.isfinite),
     ("decay_rate", "positive", lambda x: x > 0),
-    ("min_dim_size_to_factor", "at least 1", lambda x: x >= 1),
+    ("min_dim_size_to_factor", "a whole number of at least 1",
+     lambda x: x >= 1 and x == int(x)),
     ("clipping_threshold", "at least 1 (or None)", lambda x: x >= 1),
     ("momentum", "in [0, 1) (or None)", lambda x: 0 <= x < 1),
     ("eps", "non-negative", lambda x: x >= 0),
@@ -197,11 +199,54 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   checks.check_positive_int(hyperparams.max_consecutive_skips, "max_consecutive_skips",
                             none_ok=True)
   spikes.check_settings(hyperparams.skip_spikes, hyperparams.spike_window)
-  if not isinstance(hyperparams.pack_small_leaves, (bool, np.bool_)):
-    raise TypeError(f"pack_small_leaves must be True or False, got "
-                    f"{hyperparams.pack_small_leaves!r}")
-  if hyperparams.skip_spikes is not None and not hyperparams.skip_nonfinite_steps:
-    raise ValueError(
-        "skip_spikes skips steps as the non-finite guard does and counts them in its state, "
-        "so it needs skip_nonfinite_steps=True")
+  for field in _SWITCHES:
+    # A string such as "no" from a config file would otherwise read as True.
+    value = getattr(hyperparams, field)
+    if not isinstance(value, (bool, np.bool_)):
+      raise TypeError(f"{names.get(field, field)} must be True or False, got {value!r}")
+  _check_each_setting_is_used(hyperparams, names)
   return hyperparams
+
+
+# The settings that are switches: True or False, nothing else.
+_SWITCHES = ("multiply_by_parameter_scale", "factored", "skip_nonfinite_steps", "checked",
+             "pack_small_leaves")
+
+
+def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str]) -> None:
+  """Nothing a user passes is silently ignored. A safety setting that the guard's absence
+  would turn off, or scale bounds that contradict each other, are errors; a setting that
+  another leaves without effect (a seed without stochastic rounding, a spike window without
+  spikes, a decay mask without a decay) warns, since one config swept over the other is a
+  fair use. A traced value is judged by its presence alone."""
+  def name(field):
+    return names.get(field, field)
+
+  if not hyperparams.skip_nonfinite_steps:
+    for field, what in (("skip_spikes", "skips steps as the non-finite guard does and counts "
+                                        "them in its state"),
+                        ("max_consecutive_skips", "stops a run after that many skipped steps "
+                                                  "in a row"),
+                        ("checked", "raises for the steps the non-finite guard skips")):
+      if getattr(hyperparams, field) not in (None, False):
+        raise ValueError(f"{name(field)} {what}, so it needs "
+                         f"{name('skip_nonfinite_steps')}=True")
+  low = _as_number(name("min_parameter_scale"), hyperparams.min_parameter_scale)
+  high = _as_number(name("max_parameter_scale"), hyperparams.max_parameter_scale)
+  if low is not None and high is not None and low > high:
+    raise ValueError(f"{name('min_parameter_scale')}={hyperparams.min_parameter_scale!r} is "
+                     f"above {name('max_parameter_scale')}={hyperparams.max_parameter_scale!r}: "
+                     f"every param would be scaled by the maximum")
+  unused = [write_back.unused_seed(hyperparams.param_rounding, hyperparams.rounding_seed,
+                                   name("param_rounding"), name("rounding_seed"))]
+  window = hyperparams.spike_window
+  if (hyperparams.skip_spikes is None and not isinstance(window, jax.core.Tracer)
+      and int(np.asarray(window)) != Hyperparams._field_defaults["spike_window"]):
+    unused.append(f"{name('spike_window')}={window!r} sets the spike rule's history, and "
+                  f"{name('skip_spikes')} is not set: it has no effect")
+  if hyperparams.weight_decay_mask is not None and hyperparams.weight_decay_rate is None:
+    unused.append(f"{name('weight_decay_mask')} selects the params that "
+                  f"{name('weight_decay_rate')} decays, and none is set: it has no effect")
+  for message in filter(None, unused):
+    # The caller's caller: the line that built the optimizer.
+    warnings.warn(message, UserWarning, stacklevel=4)

@@ -7,6 +7,7 @@ params; its float32 updates go through the same write-back as safefactor's own
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -119,6 +120,9 @@ def with_param_rounding(
   checks.check_transformation(inner, "with_param_rounding")
   mode = write_back.check_rounding_mode(mode, "mode")
   bit_streams.check_seed("seed", seed)
+  unused = write_back.unused_seed(mode, seed, "mode", "seed")
+  if unused:
+    warnings.warn(unused, UserWarning, stacklevel=2)
   inner = optax.with_extra_args_support(inner)
   keeps_compensation = write_back.keeps_compensation(mode)
 

@@ -60,8 +60,9 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
     return optax.with_extra_args_support(optax.chain(*before, tx)) if before else tx
   rounding = arguments.get("param_rounding", _DEFAULT_ROUNDING)
   if write_back.rounds_onto_params(rounding):
+    # Only stochastic rounding draws bits: the seed is offered with it alone.
     seed = arguments.get("rounding_seed")
-    seed = "" if seed is None else f", seed={seed!r}"
+    seed = "" if seed is None or rounding != "stochastic" else f", seed={seed!r}"
     raise ValueError(
         f"presets.{preset}(): param_rounding={rounding!r} rounds safefactor's update onto "
         "the params, so it must be the final update, and this preset scales it afterwards, "

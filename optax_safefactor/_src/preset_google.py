@@ -308,7 +308,10 @@ def t5x(
   Raises:
     ValueError: as T5X raises (``factored=False`` with a ``factor_map``, a rule of the
       wrong rank, an incomplete logical spec), for logical rules without
-      ``param_logical_axes`` or the reverse, and for values ``safefactor`` refuses.
+      ``param_logical_axes`` or the reverse, for ``skip_spikes`` with
+      ``global_norm_clip_threshold`` (the spike rule would see clipped gradients; the
+      message gives the chain that clips inside the guard), and for values ``safefactor``
+      refuses.
     TypeError: for a non-bool ``multiply_by_parameter_scale``, or an override this
       preset sets itself or ``safefactor`` does not know.
   """
@@ -330,6 +333,15 @@ def t5x(
   if not isinstance(multiply_by_parameter_scale, bool):
     raise TypeError("multiply_by_parameter_scale must be a bool here, got "
                     f"{type(multiply_by_parameter_scale).__name__}")
+  if global_norm_clip_threshold and overrides.get("skip_spikes") is not None:
+    # The spike rule judges the gradients safefactor is given: behind the clip every step,
+    # a spike included, arrives at the clip's norm, and no spike would ever be skipped.
+    raise ValueError(
+        "presets.t5x(): skip_spikes judges the gradients' norm, and global_norm_clip_threshold "
+        "clips it first: once the usual norm is above the threshold every step arrives at it "
+        "and no spike is skipped. Clip inside the guard instead: osf.skip_nonfinite(optax.chain("
+        f"optax.clip_by_global_norm({global_norm_clip_threshold!r}), osf.presets.t5x(..., "
+        f"skip_nonfinite_steps=False)), skip_spikes={overrides['skip_spikes']!r})")
   if not factored and factor_map is not None:
     raise ValueError("Adafactor factored is False but factorization rules have been provided.")
   if (logical_factor_rules is None) != (param_logical_axes is None):

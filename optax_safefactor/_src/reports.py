@@ -180,11 +180,14 @@ def nonfinite_report(opt_state: Any) -> dict[str, int | float]:
   Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), always;
   then, for each parameter that was ever non-finite and for no other,
   ``nonfinite_steps/<path>`` (in how many steps it was) and ``last_nonfinite_step/<path>``
-  (the ``steps`` value of the last one). A healthy run's report has three keys however
-  many parameters there are, so it can be logged every step. With several guards in one
-  state, the keys of the second and later ones are prefixed ``guard<i>/``.
+  (the ``steps`` value of the last one), and likewise for each hyperparameter that an
+  ``optax.inject_hyperparams`` or a schedule ever made non-finite,
+  ``nonfinite_hyperparam_steps/<name>`` and ``last_nonfinite_hyperparam_step/<name>``.
   ``total_skipped_steps``, always there, sums every guard (it equals
-  :func:`skipped_steps`).
+  :func:`skipped_steps`; a guard's own ``skipped_steps`` counts that guard's steps
+  alone). A healthy run's report has these four keys however many parameters there are,
+  so it can be logged every step. With several guards in one state, the keys of the
+  second and later ones are prefixed ``guard<i>/``.
 
   Micro-batches skipped by :func:`accumulate_gradients` have keys of their own:
   ``skipped_micro_batches``, ``consecutive_skipped_micro_batches``, ``micro_batches``

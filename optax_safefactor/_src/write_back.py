@@ -59,6 +59,22 @@ def check_rounding_mode(mode: str, name: str = "param_rounding") -> str:
   return mode
 
 
+def unused_seed(mode: str, seed: Any, mode_name: str = "param_rounding",
+                seed_name: str = "rounding_seed") -> str | None:
+  """What to tell a user who gave a seed other than 0 to a mode that draws no bits, else
+  ``None`` (a traced seed is not judged). A warning, not an error: a sweep over the modes
+  with one seed per run is a fair use.
+
+  >>> print(unused_seed("kahan", 7))
+  rounding_seed=7 seeds stochastic rounding's bits, which param_rounding='kahan' does not \
+draw: it has no effect
+  """
+  if mode == "stochastic" or isinstance(seed, jax.core.Tracer) or int(np.asarray(seed)) == 0:
+    return None
+  return (f"{seed_name}={seed!r} seeds stochastic rounding's bits, which {mode_name}={mode!r} "
+          "does not draw: it has no effect")
+
+
 def rounds_onto_params(mode: str) -> bool:
   """Whether ``mode`` rounds the final update onto the params, so it reads them (all but
   ``"nearest"``)."""
