@@ -228,7 +228,9 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
                         ("max_consecutive_skips", "stops a run after that many skipped steps "
                                                   "in a row"),
                         ("checked", "raises for the steps the non-finite guard skips")):
-      if getattr(hyperparams, field) not in (None, False):
+      value = getattr(hyperparams, field)
+      # By identity: an injected value is an array, traced in update.
+      if value is not None and value is not False:
         raise ValueError(f"{name(field)} {what}, so it needs "
                          f"{name('skip_nonfinite_steps')}=True")
   low = _as_number(name("min_parameter_scale"), hyperparams.min_parameter_scale)
