@@ -103,8 +103,9 @@ def safefactor(
       skipped as non-finite: ``"bfloat16"`` halves the state with float32's range.
     beta2_cap: an upper bound on beta2, as big_vision's 0.999; ``None`` for none.
     min_parameter_scale: the smallest parameter scale (``optax``'s 1e-3).
-    max_parameter_scale: the largest parameter scale, or ``None``; at least
-      ``min_parameter_scale``.
+    max_parameter_scale: the largest parameter scale, or ``None``. Below
+      ``min_parameter_scale`` it wins, as in T5X, and warns that the minimum has no
+      effect.
     skip_nonfinite_steps: skip and count non-finite steps, as :func:`skip_nonfinite`
       does (the state is then a :class:`SkipNonfiniteState`). The decision comes from
       statistics the step computes anyway, inside this transformation's own update,

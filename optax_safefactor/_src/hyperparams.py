@@ -215,10 +215,10 @@ _SWITCHES = ("multiply_by_parameter_scale", "factored", "skip_nonfinite_steps", 
 
 def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str]) -> None:
   """Nothing a user passes is silently ignored. A safety setting that the guard's absence
-  would turn off, or scale bounds that contradict each other, are errors; a setting that
-  another leaves without effect (a seed without stochastic rounding, a spike window without
-  spikes, a decay mask without a decay) warns, since one config swept over the other is a
-  fair use. A traced value is judged by its presence alone."""
+  would turn off is an error; a setting that another leaves without effect (a seed without
+  stochastic rounding, a spike window without spikes, a decay mask without a decay, a
+  minimum parameter scale above the maximum) warns, since one config swept over the other
+  is a fair use. A traced value is judged by its presence alone."""
   def name(field):
     return names.get(field, field)
 
@@ -233,14 +233,15 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
       if value is not None and value is not False:
         raise ValueError(f"{name(field)} {what}, so it needs "
                          f"{name('skip_nonfinite_steps')}=True")
+  unused = [write_back.unused_seed(hyperparams.param_rounding, hyperparams.rounding_seed,
+                                   name("param_rounding"), name("rounding_seed"))]
   low = _as_number(name("min_parameter_scale"), hyperparams.min_parameter_scale)
   high = _as_number(name("max_parameter_scale"), hyperparams.max_parameter_scale)
   if low is not None and high is not None and low > high:
-    raise ValueError(f"{name('min_parameter_scale')}={hyperparams.min_parameter_scale!r} is "
-                     f"above {name('max_parameter_scale')}={hyperparams.max_parameter_scale!r}: "
-                     f"every param would be scaled by the maximum")
-  unused = [write_back.unused_seed(hyperparams.param_rounding, hyperparams.rounding_seed,
-                                   name("param_rounding"), name("rounding_seed"))]
+    # The maximum wins, as in T5X (whose preset passes epsilon2 as the minimum).
+    unused.append(f"{name('min_parameter_scale')}={hyperparams.min_parameter_scale!r} is above "
+                  f"{name('max_parameter_scale')}={hyperparams.max_parameter_scale!r}: every "
+                  "param is scaled by the maximum, and the minimum has no effect")
   window = hyperparams.spike_window
   if (hyperparams.skip_spikes is None and not isinstance(window, jax.core.Tracer)
       and int(np.asarray(window)) != Hyperparams._field_defaults["spike_window"]):

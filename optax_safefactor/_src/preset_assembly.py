@@ -62,7 +62,7 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   if write_back.rounds_onto_params(rounding):
     # Only stochastic rounding draws bits: the seed is offered with it alone.
     seed = arguments.get("rounding_seed")
-    seed = "" if seed is None or rounding != "stochastic" else f", seed={seed!r}"
+    seed = "" if seed is None or not write_back.draws_bits(rounding) else f", seed={seed!r}"
     raise ValueError(
         f"presets.{preset}(): param_rounding={rounding!r} rounds safefactor's update onto "
         "the params, so it must be the final update, and this preset scales it afterwards, "

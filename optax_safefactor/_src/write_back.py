@@ -69,10 +69,15 @@ def unused_seed(mode: str, seed: Any, mode_name: str = "param_rounding",
   rounding_seed=7 seeds stochastic rounding's bits, which param_rounding='kahan' does not \
 draw: it has no effect
   """
-  if mode == "stochastic" or isinstance(seed, jax.core.Tracer) or int(np.asarray(seed)) == 0:
+  if draws_bits(mode) or isinstance(seed, jax.core.Tracer) or int(np.asarray(seed)) == 0:
     return None
   return (f"{seed_name}={seed!r} seeds stochastic rounding's bits, which {mode_name}={mode!r} "
           "does not draw: it has no effect")
+
+
+def draws_bits(mode: str) -> bool:
+  """Whether ``mode`` draws random bits, keyed by a seed (``"stochastic"``)."""
+  return mode == "stochastic"
 
 
 def rounds_onto_params(mode: str) -> bool:
