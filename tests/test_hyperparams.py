@@ -195,3 +195,10 @@ def test_with_param_rounding_warns_of_a_seed_its_mode_does_not_draw():
     warnings.simplefilter("error")
     osf.with_param_rounding(optax.sgd(0.1), mode="stochastic", seed=3)
     osf.with_param_rounding(optax.sgd(0.1), mode="kahan")
+
+
+def test_only_factor_rules_gets_the_logical_rules_hint():
+  # The hint is for factor_rules alone: a wrong decay_rate_fn is told what it is, no more.
+  with pytest.raises(TypeError) as caught:
+    osf.scale_by_safe_factored_rms(decay_rate_fn=0.8)
+  assert str(caught.value) == "decay_rate_fn must be a function (or None), got a float"
