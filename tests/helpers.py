@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
+import pathlib
 import re
+import sys
+import types
 from collections.abc import Callable, Sequence
 
 import jax
@@ -14,6 +18,17 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
+
+
+def load_module(path: pathlib.Path) -> types.ModuleType:
+  """The Python file at ``path`` (a tool or a docs extension, outside any package) as a
+  module, registered under its stem so that its dataclasses and pickles resolve."""
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[path.stem] = module
+  spec.loader.exec_module(module)
+  return module
+
 
 # The lists that compilations() blocks are filling; the listener is registered once, as JAX
 # 0.7.1 (the core floor) has no public way to unregister one.

@@ -4,9 +4,7 @@ These run without Sphinx (the `docs` extra), but for the tests of the site's ext
 use it, which skip without it; tests/test_site.py checks the built site.
 """
 
-import importlib.util
 import pathlib
-import sys
 import types
 
 import matplotlib.pyplot as plt
@@ -14,21 +12,15 @@ import numpy as np
 import pytest
 
 import optax_safefactor
+from tests.helpers import load_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load(path: pathlib.Path) -> types.ModuleType:
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[path.stem] = module
-  spec.loader.exec_module(module)
-  return module
 
-
-api_pages = _load(ROOT / "docs" / "_ext" / "api_pages.py")
-benchmark_plots = _load(ROOT / "tools" / "benchmark_plots.py")
-write_inventories = _load(ROOT / "docs" / "_inventories" / "write_inventories.py")
+api_pages = load_module(ROOT / "docs" / "_ext" / "api_pages.py")
+benchmark_plots = load_module(ROOT / "tools" / "benchmark_plots.py")
+write_inventories = load_module(ROOT / "docs" / "_inventories" / "write_inventories.py")
 
 
 def _package_with_a_module() -> types.ModuleType:
@@ -117,7 +109,7 @@ def test_only_images_wider_than_the_content_column_fill_it(tmp_path):
   pytest.importorskip("sphinx")
   from docutils import nodes, utils
 
-  figures = _load(ROOT / "docs" / "_ext" / "figures.py")
+  figures = load_module(ROOT / "docs" / "_ext" / "figures.py")
   doctree = utils.new_document("page")
   widths = {"wide.png": figures.CONTENT_WIDTH_PX + 1, "narrow.png": figures.CONTENT_WIDTH_PX,
             "sized.png": 2000}
@@ -133,7 +125,7 @@ def test_only_images_wider_than_the_content_column_fill_it(tmp_path):
 
 def test_page_paths_name_each_page_by_its_files(tmp_path):
   pytest.importorskip("sphinx")
-  page_links = _load(ROOT / "docs" / "_ext" / "page_links.py")
+  page_links = load_module(ROOT / "docs" / "_ext" / "page_links.py")
   docs = tmp_path / "docs"
   (docs / "guides").mkdir(parents=True)
   (docs / "notebooks").mkdir()
@@ -151,7 +143,7 @@ def test_mentions_of_a_page_s_file_become_links_to_it():
   pytest.importorskip("sphinx")
   from docutils import nodes
 
-  page_links = _load(ROOT / "docs" / "_ext" / "page_links.py")
+  page_links = load_module(ROOT / "docs" / "_ext" / "page_links.py")
   paths = {"docs/benchmarks.md": "benchmarks", "quickstart.ipynb": "notebooks/quickstart",
            "docs/guides/low_precision.md": "guides/low_precision"}
   paragraph = nodes.paragraph("", "", nodes.Text("see docs/benchmarks.md, and "),

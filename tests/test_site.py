@@ -11,7 +11,6 @@ which turns those skips into failures. The screenshots go to docs/_build/screens
 import functools
 import html.parser
 import http.server
-import importlib.util
 import os
 import pathlib
 import re
@@ -21,6 +20,7 @@ import urllib.parse
 import pytest
 
 import optax_safefactor
+from tests.helpers import load_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SITE = ROOT / "docs" / "_build" / "html"
@@ -133,11 +133,7 @@ def page_links():
     import sphinx  # noqa: F401
   except ImportError:
     _skip_or_fail("Sphinx is not installed (the docs extra)")
-  path = ROOT / "docs" / "_ext" / "page_links.py"
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_module(ROOT / "docs" / "_ext" / "page_links.py")
 
 
 class _Mentions(html.parser.HTMLParser):

@@ -1,19 +1,12 @@
 """The developer tools' own logic, on made-up inputs (their runs need the ``accel`` extra)."""
 
-import importlib.util
 import pathlib
+
+from tests.helpers import load_module
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-
-def _load(path):
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-tpu_kernels = _load(ROOT / "tools" / "tpu_kernels.py")
+tpu_kernels = load_module(ROOT / "tools" / "tpu_kernels.py")
 
 # Three fusions: the first two do the same arithmetic on operands placed apart (HBM and
 # on chip), the third other arithmetic.
