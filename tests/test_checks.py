@@ -84,7 +84,7 @@ def test_missing_params_are_refused_when_needed():
 @pytest.mark.parametrize("kwargs,name", [
     (dict(decay_rate=0.0), "decay_rate"),
     (dict(decay_rate=-0.8), "decay_rate"),
-    (dict(clipping_threshold=0.5), "clipping_threshold"),
+    (dict(clipping_threshold=0.0), "clipping_threshold"),
     (dict(min_dim_size_to_factor=0), "min_dim_size_to_factor"),
     (dict(momentum=1.0), "momentum"),
     (dict(momentum=-0.1), "momentum"),
@@ -208,24 +208,29 @@ def test_a_state_with_only_its_floating_leaves_cast_counts_exactly():
   assert int(state.step) == 300 and int(osf.skipped_steps(state)) == 3
 
 
-@pytest.mark.parametrize("what,setting", [("second moment", "state_dtype=None"),
-                                          ("momentum", "dtype_momentum='float32'")])
-def test_a_statistic_cast_to_another_dtype_is_refused(what, setting):
+@pytest.mark.parametrize("what,narrow", [("second moment", False), ("momentum", False),
+                                         ("second moment", True), ("momentum", True)])
+def test_a_statistic_in_another_dtype_is_refused(what, narrow):
   # A cast statistic would stay in the cast dtype, where a bfloat16 second moment cannot
-  # follow beta2 = 0.999; the message says which setting keeps a state narrow.
-  tx = osf.safefactor(0.1, momentum=0.9)
+  # follow beta2 = 0.999; the message names the setting that would take the state as it
+  # is (it advised state_dtype='bfloat16' to an optimizer that had it, for a float32
+  # state).
+  argument = "state_dtype" if what == "second moment" else "dtype_momentum"
+  narrow_settings = {argument: "bfloat16"}
+  maker = osf.safefactor(0.1, momentum=0.9, **(narrow_settings if narrow else {}))
+  tx = osf.safefactor(0.1, momentum=0.9, **({} if narrow else narrow_settings))
   params = _params()
-  state = tx.init(params)
-  inner = state.inner_state
-  if what == "momentum":
-    inner = inner._replace(momentum=_cast(inner.momentum, jnp.bfloat16))
-  else:
-    inner = inner._replace(second_moment=_cast(inner.second_moment, jnp.bfloat16))
+  state = maker.init(params)
+  found, kept = ("bfloat16", "float32") if narrow else ("float32", "bfloat16")
+  # The refusing optimizer's own setting, as the message quotes it.
+  defaults = {"state_dtype": None, "dtype_momentum": "float32"}
+  setting = f"{argument}={(defaults if narrow else narrow_settings)[argument]!r}"
   with pytest.raises(TypeError, match=rf"params\['dense'\]\['(bias|kernel)'\]: the {what} in "
-                                      rf"the optimizer state is bfloat16, but this optimizer "
-                                      rf"keeps it in float32 \(its {setting}\); .*"
-                                      r"state_dtype='bfloat16'"):
-    tx.update(params, state._replace(inner_state=inner), params)
+                                      rf"the optimizer state is {found}, but this optimizer "
+                                      rf"keeps it in {kept} \(its {setting}\); to go on with "
+                                      rf"this state, build the optimizer with {argument}="
+                                      rf"'{found}', or start from this optimizer's init"):
+    tx.update(params, state, params)
 
 
 def test_a_narrow_state_asked_for_by_name_is_accepted():

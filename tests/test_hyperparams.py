@@ -22,7 +22,31 @@ PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)}}
     ({"dtype_momentum": "foo"}, TypeError, r"dtype_momentum must be a floating dtype"),
     ({"state_dtype": "bf16"}, TypeError, r"state_dtype must be a floating dtype .*got 'bf16'"),
     ({"decay_offset": "5"}, TypeError, r"decay_offset .* string '5'.*decay_offset=int\('5'\)"),
-    ({"decay_offset": 1.5}, ValueError, r"decay_offset must be a whole number, got 1.5"),
+    ({"decay_offset": 1.5}, ValueError, r"decay_offset must be a whole number.*, got 1.5"),
+    # 2**31 passed, then failed in the first update with numpy's int32 OverflowError.
+    ({"decay_offset": 2**31}, ValueError,
+     r"decay_offset must be a whole number within int32's range, got 2147483648"),
+    # inf failed with "cannot convert float infinity to integer"; True was read as 1.
+    ({"min_dim_size_to_factor": float("inf")}, ValueError,
+     r"min_dim_size_to_factor must be a whole number of at least 1, got inf"),
+    ({"min_dim_size_to_factor": True}, TypeError, r"min_dim_size_to_factor must be a whole "
+     r"number, got True"),
+    ({"decay_offset": False}, TypeError, r"decay_offset must be a whole number, got False"),
+    # Each of these infinities was accepted, then every step was skipped as a non-finite
+    # hyperparameter (a number given at construction is checked there, not at each step).
+    ({"clipping_threshold": float("inf")}, ValueError,
+     r"clipping_threshold must be positive and finite \(or None for no clipping\), got inf"),
+    ({"max_parameter_scale": float("inf")}, ValueError,
+     r"max_parameter_scale must be positive and finite \(or None for no maximum\), got inf"),
+    ({"min_parameter_scale": float("inf")}, ValueError,
+     r"min_parameter_scale must be non-negative and finite, got inf"),
+    ({"eps": float("inf")}, ValueError, r"eps must be non-negative and finite, got inf"),
+    ({"decay_rate": float("inf")}, ValueError, r"decay_rate must be positive and finite"),
+    ({"clipping_threshold": 0.0}, ValueError, r"clipping_threshold must be positive"),
+    # An array of learning rates was "not a number, an array or a schedule".
+    ({"momentum": np.array([0.9, 0.9])}, TypeError,
+     r"momentum must be a scalar \(a number, a 0-d array or a schedule\), got an array of "
+     r"shape \(2,\)"),
     # A string seed failed at the first bfloat16 step inside JAX's dtype code.
     ({"param_rounding": "stochastic", "rounding_seed": "0"}, TypeError,
      r"rounding_seed must be an int \(or an integer array\), got '0'"),
@@ -176,6 +200,21 @@ def test_the_settings_defaults_are_the_factories_defaults():
     ({"min_parameter_scale": 1.0, "max_parameter_scale": 0.1}, {"max_parameter_scale": 2.0},
      r"min_parameter_scale=1.0 is above max_parameter_scale=0.1: every param is scaled by the "
      r"maximum, and the minimum has no effect"),
+
+    # Bounds of a scale that is off, a momentum's dtype without momentum, and a factoring
+    # threshold without the factoring heuristic changed nothing, silently.
+    ({"multiply_by_parameter_scale": False, "max_parameter_scale": 3.0},
+     {"multiply_by_parameter_scale": True},
+     r"max_parameter_scale=3.0 bounds the parameter scale, and "
+     r"multiply_by_parameter_scale=False: it has no effect"),
+    ({"multiply_by_parameter_scale": False, "min_parameter_scale": 0.5},
+     {"multiply_by_parameter_scale": True}, r"min_parameter_scale=0.5 bounds the parameter"),
+    ({"dtype_momentum": "bfloat16"}, {"momentum": 0.9},
+     r"dtype_momentum='bfloat16' is the momentum's dtype, and momentum is None: it has no "
+     r"effect"),
+    ({"factored": False, "min_dim_size_to_factor": 2}, {"factored": True},
+     r"min_dim_size_to_factor=2 decides which params are factored, and factored=False: it "
+     r"has no effect"),
 ])
 def test_an_argument_that_another_leaves_without_effect_warns(kwargs, used, message):
   # Accepted (a config swept over the other argument is a fair use), never silently: the
@@ -202,3 +241,72 @@ def test_only_factor_rules_gets_the_logical_rules_hint():
   with pytest.raises(TypeError) as caught:
     osf.scale_by_safe_factored_rms(decay_rate_fn=0.8)
   assert str(caught.value) == "decay_rate_fn must be a function (or None), got a float"
+
+
+@pytest.mark.parametrize("kwargs", [
+    # optax's defaults spelt out, as a drop-in config would: nothing to warn of.
+    {"multiply_by_parameter_scale": False, "min_parameter_scale": 1e-3},
+    {"dtype_momentum": jnp.float32}, {"dtype_momentum": np.float32}, {"dtype_momentum": "float32"},
+    {"factored": False, "min_dim_size_to_factor": 128},
+])
+def test_a_default_spelt_out_does_not_warn(kwargs):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    osf.safefactor(1e-3, **kwargs)
+
+
+def test_an_injected_setting_warns_once_at_init_and_not_at_each_traced_update():
+  tx = optax.inject_hyperparams(osf.safefactor)(learning_rate=1e-3, min_parameter_scale=0.5,
+                                                multiply_by_parameter_scale=False)
+  with pytest.warns(UserWarning, match=r"min_parameter_scale=.* has no effect"):
+    state = tx.init(PARAMS)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.jit(tx.update)(PARAMS, state, PARAMS)
+
+
+def test_any_positive_clipping_threshold_clips_as_optax_does():
+  # Below 1 was refused, where optax.adafactor takes it: a config of theirs failed.
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": jnp.arange(3.0)}
+  grads = jax.tree.map(lambda p: jnp.cos(3 * p) + 0.1, params)
+  for threshold in (0.25, 0.5):
+    ours = osf.safefactor(1e-2, clipping_threshold=threshold, min_dim_size_to_factor=2)
+    theirs = optax.adafactor(1e-2, clipping_threshold=threshold, min_dim_size_to_factor=2)
+    updates, _ = ours.update(grads, ours.init(params), params)
+    expected, _ = theirs.update(grads, theirs.init(params), params)
+    for name in params:
+      np.testing.assert_allclose(updates[name], expected[name], rtol=1e-6)
+    # Clipped: a threshold of 1 gives larger updates here.
+    looser, _ = osf.safefactor(1e-2, min_dim_size_to_factor=2).update(
+        grads, osf.safefactor(1e-2, min_dim_size_to_factor=2).init(params), params)
+    assert float(jnp.abs(updates["w"]).max()) < float(jnp.abs(looser["w"]).max())
+
+
+@pytest.mark.parametrize("mask,error,message", [
+    # Each failed in the first update inside JAX's broadcasting or dtype code, naming
+    # neither the argument nor the param.
+    ({"dense": {"kernel": jnp.ones((2, 2), bool), "bias": True}}, ValueError,
+     r"weight_decay_mask for params\['dense'\]\['kernel'\]: a bool array of shape \(2, 2\) "
+     r"does not broadcast to the param's shape \(4, 3\)"),
+    ("foo", TypeError,
+     r"weight_decay_mask for params\['dense'\]\['bias'\]: a mask is True, False or a bool "
+     r"array, got str 'foo'"),
+    # A float mask was read as True wherever it was not 0.
+    ({"dense": {"kernel": jnp.full((4, 3), 0.5), "bias": False}}, TypeError,
+     r"weight_decay_mask for params\['dense'\]\['kernel'\]: .* got a float32 array"),
+])
+def test_a_wrong_weight_decay_mask_is_named_at_init(mask, error, message):
+  tx = osf.safefactor(1e-3, weight_decay_rate=0.1, weight_decay_mask=mask)
+  with pytest.raises(error, match=message):
+    tx.init(PARAMS)
+
+
+def test_a_bool_array_mask_that_broadcasts_decays_where_it_is_true():
+  mask = {"dense": {"kernel": np.array([[True, False, True]]), "bias": np.bool_(False)}}
+  tx = osf.safefactor(1.0, weight_decay_rate=0.5, weight_decay_mask=mask,
+                      multiply_by_parameter_scale=False, skip_nonfinite_steps=False)
+  zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(PARAMS), PARAMS)
+  np.testing.assert_array_equal(updates["dense"]["kernel"],
+                                np.where(mask["dense"]["kernel"], -0.5, 0.0) * np.ones((4, 3)))
+  np.testing.assert_array_equal(updates["dense"]["bias"], np.zeros(3))

@@ -92,6 +92,18 @@ def test_params_not_matching_the_optax_state_are_named(change, message):
     osf.migrate_from_optax(optax_state, osf.safefactor(1e-3), wrong)
 
 
+def test_params_in_other_containers_are_named_by_the_first_that_differs():
+  # The same leaves in other nodes (flax's Param boxes against the OptVariables an
+  # nnx.Optimizer's state holds; here a tuple against a list) printed both whole trees.
+  params = {"layers": [jnp.ones((256, 128)), jnp.ones((128,))]}
+  optax_state = optax.adafactor(1e-3).init(params)
+  as_tuple = {"layers": tuple(params["layers"])}
+  with pytest.raises(ValueError, match=r"^params do not match optax_state's second-moment "
+                                       r"statistics: at params\['layers'\], a tuple where the "
+                                       r"other holds a list; pass the params"):
+    osf.migrate_from_optax(optax_state, osf.safefactor(1e-3), as_tuple)
+
+
 def test_params_not_matching_the_optax_momentum_are_named():
   params = {"w": jnp.ones((256, 128)), "b": jnp.ones((128,))}
   optax_state = optax.adafactor(1e-3, momentum=0.9).init(params)

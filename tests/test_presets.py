@@ -487,8 +487,8 @@ def test_own_argument_errors():
     osf.presets.transformers(lr=1e-3, relative_step=False, warmup_init=True)
   with pytest.raises(ValueError, match="no learning rate"):
     osf.presets.transformers(relative_step=False)
-  with pytest.raises(ValueError, match="clip_threshold"):
-    osf.presets.transformers(clip_threshold=0.5)
+  with pytest.raises(ValueError, match=r"clip_threshold must be positive and finite, got 0\.0"):
+    osf.presets.transformers(clip_threshold=0.0)
   with pytest.raises(ValueError, match="decay_rate must be negative"):
     osf.presets.transformers(decay_rate=0.8)
   with pytest.raises(ValueError, match="beta2_decay must be negative"):
@@ -539,7 +539,7 @@ SMALL = {"m": (12, 10), "v": (7,), "s": (2, 6, 5)}
 
 
 @settings(max_examples=8)
-@given(clip_threshold=st.sampled_from([1.0, 1.5, 4.0]),
+@given(clip_threshold=st.sampled_from([0.5, 1.0, 1.5, 4.0]),
        decay_rate=st.sampled_from([-0.8, -0.5, -1.0]),
        beta1=st.sampled_from([None, 0.0, 0.9]),
        weight_decay=st.sampled_from([0.0, 0.01]),
@@ -558,6 +558,20 @@ def test_transformers_property(clip_threshold, decay_rate, beta1, weight_decay,
   ours, _ = _run_preset(osf.presets.transformers(**kwargs), params, grads)
   theirs = _run_torch(lambda ps: hf.Adafactor(ps, **kwargs), params, grads, torch)
   assert _largest_difference(ours, theirs) <= BOUND[np.float32]
+
+
+def test_transformers_clips_below_one_as_hf_does():
+  # HF takes any positive clip_threshold; the preset refused those below 1.
+  torch = pytest.importorskip("torch")
+  hf = pytest.importorskip("transformers.optimization")
+  kwargs = dict(clip_threshold=0.3, relative_step=False, scale_parameter=False, lr=3e-3)
+  params, grads = _problem(np.float32, steps=4, shapes=SMALL, seed=7)
+  ours, _ = _run_preset(osf.presets.transformers(**kwargs), params, grads)
+  theirs = _run_torch(lambda ps: hf.Adafactor(ps, **kwargs), params, grads, torch)
+  assert _largest_difference(ours, theirs) <= BOUND[np.float32]
+  unclipped, _ = _run_preset(osf.presets.transformers(**{**kwargs, "clip_threshold": 1e3}),
+                             params, grads)
+  assert _largest_difference(ours, unclipped) > 100 * BOUND[np.float32]
 
 
 @settings(max_examples=8)

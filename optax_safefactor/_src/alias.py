@@ -93,7 +93,8 @@ def safefactor(
       real param.
     weight_decay_rate: decoupled weight decay (a scalar or a schedule), or ``None``.
     eps: added to squared gradients; also the floor under every rsqrt.
-    factored: whether to factor second moments at all.
+    factored: whether the heuristic factors second moments (rows and columns that
+      ``factor_rules`` names are factored either way).
     weight_decay_mask: a tree (or a function of params returning one) of bools
       choosing the leaves that decay (without ``weight_decay_rate`` it warns that it
       has no effect).
@@ -116,7 +117,10 @@ def safefactor(
     factor_rules: ``(path, shape) -> roles`` choosing each axis's role: ``"row"``,
       ``"column"``, ``"batch"`` (a separate slice: stacked layers, experts),
       ``"none"``, or ``None`` to leave it to the heuristic; the callable may return
-      ``None`` for the heuristic on the whole leaf. See :func:`logical_factor_rules`.
+      ``None`` for the heuristic on the whole leaf. Rows and columns a rule names are
+      factored whatever their sizes and ``factored`` (which, like
+      ``min_dim_size_to_factor``, is the heuristic's): with ``factored=False`` only the
+      leaves a rule factors are factored. See :func:`logical_factor_rules`.
     checked: as :func:`skip_nonfinite`'s ``checked``: raise through checkify on the
       first non-finite leaf, with its path and the step (debugging); needs
       ``skip_nonfinite_steps``.
@@ -245,7 +249,8 @@ def scale_by_safe_factored_rms(
     True
 
   Args:
-    factored: whether to factor the second moment of leaves of rank 2 and more.
+    factored: whether the heuristic factors the second moment of leaves of rank 2 and
+      more (rows and columns that ``factor_rules`` names are factored either way).
     decay_rate: exponent of the power decay schedule of beta2.
     step_offset: steps before this count use the first step's decay (fine-tuning).
     min_dim_size_to_factor: factor only when both factored axes have this size.

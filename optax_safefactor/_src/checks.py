@@ -48,8 +48,35 @@ def check_same_structure(tree: Any, reference: Any, reference_name: str, *,
   if unexpected:
     details.append(f"in {name} but not in {reference_name}: {', '.join(unexpected)}")
   if not details:
-    details.append(f"{name} tree {tree_def} != {reference_name} tree {reference_def}")
+    # The same leaves in other containers (flax's boxes of another kind, a list for a
+    # tuple): name the first container that differs rather than print both trees.
+    details.append(_first_node_difference(tree_def, reference_def, name) or
+                   f"{name} tree {tree_def} != {reference_name} tree {reference_def}")
   raise ValueError(f"{name} do not match {reference_name}: " + "; ".join(details) + hint)
+
+
+def _first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str | None:
+  """Where two tree structures first hold different kinds of node, in words.
+
+  >>> _first_node_difference(jax.tree.structure({"w": (1, 2)}),
+  ...                        jax.tree.structure({"w": [1, 2]}), "params")
+  "at params['w'], a tuple where the other holds a list"
+  """
+  data, reference_data = tree_def.node_data(), reference_def.node_data()
+  kind, reference_kind = (None if d is None else d[0] for d in (data, reference_data))
+  if kind is not reference_kind:
+    def noun(node_kind):
+      return "leaf" if node_kind is None else node_kind.__name__
+    return f"at {path}, a {noun(kind)} where the other holds a {noun(reference_kind)}"
+  children, reference_children = tree_def.children(), reference_def.children()
+  keys = data[1] if kind is dict else range(len(children))
+  if len(children) != len(reference_children):
+    return None
+  for key, child, reference_child in zip(keys, children, reference_children, strict=True):
+    found = _first_node_difference(child, reference_child, f"{path}[{key!r}]")
+    if found:
+      return found
+  return None
 
 
 def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
@@ -184,10 +211,13 @@ def check_state_dtype(path: KeyPath, what: str, found: Any, expected: Any, setti
   ``setting`` is the argument that sets the dtype (``state_dtype``, ``dtype_momentum``).
   """
   if np.dtype(found) != np.dtype(expected):
+    # The state was made, or cast, for the other setting: either side may be the wrong one.
+    argument = setting.split("=", 1)[0]
     raise TypeError(
         f"{path_name(path)}: the {what} in the optimizer state is {np.dtype(found).name}, "
-        f"but this optimizer keeps it in {np.dtype(expected).name} (its {setting}); "
-        f"{_NARROW_STATE_HINT}"
+        f"but this optimizer keeps it in {np.dtype(expected).name} (its {setting}); to go "
+        f"on with this state, build the optimizer with {argument}="
+        f"{np.dtype(found).name!r}, or start from this optimizer's init"
     )
 
 

@@ -94,17 +94,23 @@ class Hyperparams(NamedTuple):
 # (field, requirement, predicate): each number that arrives concrete is checked once.
 _NUMBER_RULES: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
     ("learning_rate", "finite", math.isfinite),
-    ("decay_rate", "positive", lambda x: x > 0),
+    ("decay_rate", "positive and finite", lambda x: 0 < x < math.inf),
     ("min_dim_size_to_factor", "a whole number of at least 1",
-     lambda x: x >= 1 and x == int(x)),
-    ("clipping_threshold", "at least 1 (or None)", lambda x: x >= 1),
+     lambda x: 1 <= x < math.inf and x == int(x)),
+    # Any positive threshold clips, as optax's does (torch's d below 1 is refused by its
+    # preset, as torch refuses it).
+    ("clipping_threshold", "positive and finite (or None for no clipping)",
+     lambda x: 0 < x < math.inf),
     ("momentum", "in [0, 1) (or None)", lambda x: 0 <= x < 1),
-    ("eps", "non-negative", lambda x: x >= 0),
+    ("eps", "non-negative and finite", lambda x: 0 <= x < math.inf),
     ("beta2_cap", "in (0, 1] (or None)", lambda x: 0 < x <= 1),
-    ("min_parameter_scale", "non-negative", lambda x: x >= 0),
-    ("max_parameter_scale", "positive (or None)", lambda x: x > 0),
+    ("min_parameter_scale", "non-negative and finite", lambda x: 0 <= x < math.inf),
+    ("max_parameter_scale", "positive and finite (or None for no maximum)",
+     lambda x: 0 < x < math.inf),
     ("weight_decay_rate", "finite (or None)", math.isfinite),
-    ("decay_offset", "a whole number", lambda x: math.isfinite(x) and x == int(x)),
+    # The step count is int32, and the offset is taken from it in int32.
+    ("decay_offset", "a whole number within int32's range",
+     lambda x: -2**31 <= x < 2**31 and x == int(x)),
 )
 
 
@@ -124,7 +130,17 @@ def _as_number(name: str, value: Any, convert: str = "float") -> float | None:
         f"convert it first, e.g. {name}={convert}({value!r})"
     )
   try:
-    return float(np.asarray(value))
+    array = np.asarray(value)
+  except (TypeError, ValueError):
+    array = None
+  if array is not None and array.ndim:
+    raise TypeError(f"{name} must be a scalar (a number, a 0-d array or a schedule), got an "
+                    f"array of shape {array.shape}")
+  if isinstance(value, (bool, np.bool_)) and convert == "int":
+    # True would be read as 1: a switch given where a count belongs.
+    raise TypeError(f"{name} must be a whole number, got {value!r}")
+  try:
+    return float(array)
   except (TypeError, ValueError):
     raise TypeError(f"{name} must be a number, an array or a schedule, got {value!r}") from None
 
@@ -172,7 +188,7 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   >>> validate(Hyperparams(decay_rate=-1.0))
   Traceback (most recent call last):
   ...
-  ValueError: decay_rate must be positive, got -1.0
+  ValueError: decay_rate must be positive and finite, got -1.0
   """
   names = names or {}
   for field, requirement, is_valid in _NUMBER_RULES:
@@ -235,9 +251,11 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
                          f"{name('skip_nonfinite_steps')}=True")
   unused = [write_back.unused_seed(hyperparams.param_rounding, hyperparams.rounding_seed,
                                    name("param_rounding"), name("rounding_seed"))]
+  unused += _unused_by_switches(hyperparams, name)
   low = _as_number(name("min_parameter_scale"), hyperparams.min_parameter_scale)
   high = _as_number(name("max_parameter_scale"), hyperparams.max_parameter_scale)
-  if low is not None and high is not None and low > high:
+  if (hyperparams.multiply_by_parameter_scale and low is not None and high is not None
+      and low > high):
     # The maximum wins, as in T5X (whose preset passes epsilon2 as the minimum).
     unused.append(f"{name('min_parameter_scale')}={hyperparams.min_parameter_scale!r} is above "
                   f"{name('max_parameter_scale')}={hyperparams.max_parameter_scale!r}: every "
@@ -253,3 +271,42 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
   for message in filter(None, unused):
     # The caller's caller: the line that built the optimizer.
     warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _differs_from_default(hyperparams: Hyperparams, field: str) -> bool:
+  """A concrete value other than the default. A traced value (optax.inject_hyperparams'
+  update) cannot be judged, and was judged concrete in its init: no."""
+  value = getattr(hyperparams, field)
+  default = Hyperparams._field_defaults[field]
+  if isinstance(value, jax.core.Tracer):
+    return False
+  if value is None or default is None:
+    return value is not default
+  if field == "dtype_momentum":
+    if isinstance(value, str) and value == numerics.AT_LEAST_FLOAT32:
+      # The torch-style presets' rule, which they pass whether or not beta1 is set.
+      return False
+    # A dtype given as a name, a type or (injected) an array of that dtype.
+    dtype = value.dtype if isinstance(value, (jax.Array, np.ndarray)) else jnp.dtype(value)
+    return dtype != jnp.dtype(default)
+  return float(np.asarray(value)) != default
+
+
+def _unused_by_switches(hyperparams: Hyperparams, name: Callable[[str], str]) -> list[str]:
+  """The messages for settings that a switch or a missing setting leaves without effect:
+  the parameter scale's bounds without it, the momentum's dtype without momentum, the
+  factoring threshold without factoring."""
+  unused = []
+  if not hyperparams.multiply_by_parameter_scale:
+    unused += [f"{name(field)}={getattr(hyperparams, field)!r} bounds the parameter scale, "
+               f"and {name('multiply_by_parameter_scale')}=False: it has no effect"
+               for field in ("min_parameter_scale", "max_parameter_scale")
+               if _differs_from_default(hyperparams, field)]
+  if hyperparams.momentum is None and _differs_from_default(hyperparams, "dtype_momentum"):
+    unused.append(f"{name('dtype_momentum')}={hyperparams.dtype_momentum!r} is the momentum's "
+                  f"dtype, and {name('momentum')} is None: it has no effect")
+  if not hyperparams.factored and _differs_from_default(hyperparams, "min_dim_size_to_factor"):
+    unused.append(f"{name('min_dim_size_to_factor')}={hyperparams.min_dim_size_to_factor!r} "
+                  f"decides which params are factored, and {name('factored')}=False: it has "
+                  "no effect")
+  return unused

@@ -54,7 +54,7 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   moves out and judges the whole chain (``skip_nonfinite`` with the same settings), and a
   rounding write-back, which must be the final step, is refused.
   """
-  arguments = {**settings, **overrides}
+  arguments = {**_without_unused(settings), **overrides}
   if not after:
     tx = safefactor(**arguments)
     return optax.with_extra_args_support(optax.chain(*before, tx)) if before else tx
@@ -76,6 +76,20 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
       raise ValueError(f"presets.{preset}(): {', '.join(guard)} need skip_nonfinite_steps=True")
     return optax.with_extra_args_support(inner)
   return skip_nonfinite(inner, guard.pop("max_consecutive_skips", None), **guard)
+
+
+def _without_unused(settings: dict[str, Any]) -> dict[str, Any]:
+  """``settings`` less those the preset's other settings leave without effect, which the
+  originals ignore (T5X's ``epsilon2`` without the parameter scale, a momentum dtype
+  without momentum): passed on, safefactor would warn of them under its own names."""
+  unused = set()
+  if not settings.get("multiply_by_parameter_scale", True):
+    unused |= {"min_parameter_scale", "max_parameter_scale"}
+  if settings.get("momentum") is None:
+    unused.add("dtype_momentum")
+  if not settings.get("factored", True):
+    unused.add("min_dim_size_to_factor")
+  return {name: value for name, value in settings.items() if name not in unused}
 
 
 def value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:

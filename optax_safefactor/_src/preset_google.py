@@ -288,7 +288,7 @@ def t5x(
     beta1: momentum of the scaled update, or ``None``.
     decay_rate: exponent of the second-moment decay.
     step_offset: step at which the decay schedule starts (fine-tuning).
-    clipping_threshold: clip the scaled gradient to this RMS (at least 1), or ``None``.
+    clipping_threshold: clip the scaled gradient to this RMS, or ``None``.
     weight_decay_rate: decoupled weight decay (not scaled by the learning rate), or ``None``.
     min_dim_size_to_factor: factor when both chosen axes have this size (heuristic).
     epsilon1: added to :math:`g^2`.

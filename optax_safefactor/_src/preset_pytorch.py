@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -108,7 +109,7 @@ def transformers(
   first step's :math:`\beta_2` is 0, so nothing of it remains); with ``eps[0] = 0`` HF
   divides 0 by 0 on an all-zero row, where safefactor floors the statistic; a
   non-finite step is skipped (``skip_nonfinite_steps=False`` turns that off); a
-  ``clip_threshold`` below 1 is refused (``ValueError``).
+  ``clip_threshold`` of 0 or ``None`` is refused (``ValueError``), where HF divides by it.
 
   Example:
     >>> import jax.numpy as jnp
@@ -125,7 +126,7 @@ def transformers(
     lr: the external learning rate (a number or an optax schedule); needs
       ``relative_step=False``.
     eps: ``(eps1, eps2)``: added to :math:`g^2`, and the smallest parameter scale.
-    clip_threshold: the largest RMS of the scaled gradient (at least 1 here).
+    clip_threshold: the largest RMS of the scaled gradient.
     decay_rate: :math:`\beta_{2,t} = 1 - t^{\text{decay\_rate}}`; negative.
     beta1: momentum of the (scaled) update, or ``None``.
     weight_decay: HF's decay, ``p -= weight_decay * lr_t * p``.
@@ -139,8 +140,8 @@ def transformers(
 
   Raises:
     ValueError: as HF raises (``lr`` with ``relative_step``, ``warmup_init`` without it),
-      for no learning rate at all, a non-negative ``decay_rate``, ``clip_threshold``
-      below 1.
+      for no learning rate at all, a non-negative ``decay_rate``, a ``clip_threshold``
+      that is not positive and finite.
     TypeError: for an override this preset sets itself or ``safefactor`` does not know.
   """
   taken = {"learning_rate": "lr, relative_step and warmup_init", "eps": "eps[0]",
@@ -158,8 +159,8 @@ def transformers(
     raise ValueError("lr=None with relative_step=False leaves no learning rate; give lr")
   if not decay_rate < 0:
     raise ValueError(f"decay_rate must be negative (beta2 = 1 - t**decay_rate), got {decay_rate}")
-  if clip_threshold is None or not clip_threshold >= 1:
-    raise ValueError(f"clip_threshold must be at least 1 here, got {clip_threshold!r}")
+  if clip_threshold is None or not 0 < clip_threshold < math.inf:
+    raise ValueError(f"clip_threshold must be positive and finite, got {clip_threshold!r}")
   eps1, eps2 = eps
   if relative_step:
     def learning_rate(count):

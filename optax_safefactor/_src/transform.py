@@ -60,7 +60,9 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
     return jax.tree.map(lambda _: True, params)
   mask = weight_decay_mask(params) if callable(weight_decay_mask) else weight_decay_mask
   trees.check_prefix_of(mask, params, "weight_decay_mask")
-  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
+  masks = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
+  jax.tree_util.tree_map_with_path(trees.check_decay_mask, masks, params)
+  return masks
 
 
 def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
@@ -130,3 +131,31 @@ def flag_vector(flags: list[jax.Array]) -> jax.Array:
   if all([jnp.ndim(flag) == 0 for flag in flags]):
     return jnp.stack(flags)
   return jnp.concatenate([jnp.ravel(flag) for flag in flags])
+
+
+def check_decay_mask(path: tuple[Any, ...], mask: Any, param: Any) -> None:
+  """A leaf's weight-decay mask: ``True``, ``False`` or a bool array that broadcasts to the
+  param's shape; else an error naming the param.
+
+  >>> import jax.numpy as jnp
+  >>> check_decay_mask((jax.tree_util.DictKey("w"),), jnp.ones((2, 2), bool), jnp.ones((4, 3)))
+  Traceback (most recent call last):
+  ...
+  ValueError: weight_decay_mask for params['w']: a bool array of shape (2, 2) does not ...
+  """
+  if isinstance(mask, (bool, np.bool_)):
+    return
+  dtype = getattr(mask, "dtype", None)
+  where = f"weight_decay_mask for params{jax.tree_util.keystr(path)}"
+  if dtype is None or np.dtype(dtype) != np.bool_:
+    # A float mask would otherwise be read as True wherever it is not 0.
+    got = (f"{type(mask).__name__} {mask!r}" if dtype is None
+           else f"a {np.dtype(dtype).name} array")
+    raise TypeError(f"{where}: a mask is True, False or a bool array, got {got}")
+  try:
+    fits = np.broadcast_shapes(np.shape(mask), np.shape(param)) == np.shape(param)
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"{where}: a bool array of shape {tuple(np.shape(mask))} does not "
+                     f"broadcast to the param's shape {tuple(np.shape(param))}")
