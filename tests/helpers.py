@@ -324,8 +324,9 @@ WRAPPERS = {
 WRAPPER_EVERY_K = {"multi_steps": 2}
 
 # Where the transformations must work as they do in a plain loop: test_ecosystems.py has
-# one test per entry, each run over every transformation.
-ECOSYSTEMS = ("orbax", "mesh", "nnx", "linen")
+# one test per entry, each run over every transformation. msgpack is Flax's serialization
+# (flax.serialization.to_bytes, flax.training.checkpoints).
+ECOSYSTEMS = ("orbax", "msgpack", "mesh", "nnx", "linen")
 
 
 _COMPUTATION = re.compile(r"^(%[\w.\-]+|ENTRY)\b")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks
+from optax_safefactor._src import array_dataclasses, checks
 from optax_safefactor._src.placement import is_box, unbox
 from optax_safefactor._src.spikes import init_history
 from optax_safefactor._src.trees import find_all
@@ -82,7 +82,7 @@ class LeafCounts:
     return cls(jnp.asarray([unbox(x) for x in leaves], jnp.int32), treedef)
 
 
-jax.tree_util.register_dataclass(LeafCounts, data_fields=["counts"], meta_fields=["treedef"])
+array_dataclasses.register(LeafCounts, ("counts",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +125,7 @@ class HyperparamCounts:
     return dict(zip(self.names, counts, strict=True)), dict(zip(self.names, last, strict=True))
 
 
-jax.tree_util.register_dataclass(HyperparamCounts, data_fields=["counts", "last_step"],
-                                 meta_fields=["names"])
+array_dataclasses.register(HyperparamCounts, ("counts", "last_step"))
 
 
 class SkipNonfiniteState(NamedTuple):
