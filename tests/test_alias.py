@@ -260,12 +260,15 @@ def test_factored_false_matches_the_unfactored_reference(factory, rng):
   # Guards against factored=False being ignored: these leaves would all be factored.
   shapes = {"w": (24, 20), "stacked": (3, 10, 12), "b": (20,)}
   params = random_tree(rng, shapes)
-  if factory == "safefactor":
-    tx = osf.safefactor(0.1, factored=False, min_dim_size_to_factor=4, momentum=0.9)
-    reference = ReferenceAdafactor(learning_rate=0.1, momentum=0.9)
-  else:
-    tx = osf.scale_by_safe_factored_rms(factored=False, min_dim_size_to_factor=4)
-    reference = ReferenceAdafactor(multiply_by_parameter_scale=False, clipping_threshold=None)
+  # The threshold that would factor them has no effect, and says so.
+  with pytest.warns(UserWarning, match=r"min_dim_size_to_factor=4 .* has no effect"):
+    if factory == "safefactor":
+      tx = osf.safefactor(0.1, factored=False, min_dim_size_to_factor=4, momentum=0.9)
+      reference = ReferenceAdafactor(learning_rate=0.1, momentum=0.9)
+    else:
+      tx = osf.scale_by_safe_factored_rms(factored=False, min_dim_size_to_factor=4)
+      reference = ReferenceAdafactor(multiply_by_parameter_scale=False,
+                                     clipping_threshold=None)
   reference.init_all(params, factored=False)
   state = tx.init(params)
   update = jax.jit(tx.update)
