@@ -1,4 +1,5 @@
-"""Flax NNX: nnx.Optimizer over partitioned params on a mesh (test_ecosystems.py: the rest)."""
+"""Flax NNX: nnx.Optimizer over partitioned params on a mesh, and over params that optax's
+masks leave out (test_ecosystems.py: the rest)."""
 
 
 import chex
@@ -11,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from tests.helpers import compilations, trained_by_plain_loop
+from tests.helpers import TRANSFORMATIONS, compilations, trained_by_plain_loop
 
 
 class MLP(nnx.Module):
@@ -151,3 +152,131 @@ def test_state_partition_specs_of_nnx_params_are_where_init_places_the_state():
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (
             leaf.shape, leaf.sharding.spec, spec)
       assert any(spec != P() for spec in specs if len(spec) == 2)
+
+
+# optax's two ways of leaving params out, here the biases: each gets the transformation for
+# the kernels. Under nnx.Optimizer the MaskedNode that stands for a bias comes in its Param.
+def _is_kernel(param):
+  return param.ndim == 2
+
+
+LEAVING_OUT = {
+    "masked": lambda tx: optax.masked(tx, lambda params: jax.tree.map(_is_kernel, params)),
+    "multi_transform": lambda tx: optax.multi_transform(
+        {"train": tx, "frozen": optax.set_to_zero()},
+        lambda params: jax.tree.map(lambda p: "train" if _is_kernel(p) else "frozen", params)),
+}
+
+
+class _SmallMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.down = nnx.Linear(32, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.relu(self.up(x)))
+
+
+def _small_data():
+  return (jax.random.normal(jax.random.key(1), (8, 16)),
+          jax.random.normal(jax.random.key(2), (8, 8)))
+
+
+def _train_small(model, tx, steps):
+  inputs, targets = _small_data()
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    grads = nnx.grad(lambda model: jnp.mean((model(inputs) - targets) ** 2))(model)
+    optimizer.update(model, grads)
+
+  for _ in range(steps):
+    train_step(model, optimizer)
+  return optimizer
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+@pytest.mark.parametrize("leaving_out", sorted(LEAVING_OUT))
+def test_params_left_out_by_optax_keep_no_state_and_the_rest_trains_as_in_the_plain_loop(
+    leaving_out, name):
+  # 0.3 took the Param around a MaskedNode for a param and refused it as no array.
+  subject = TRANSFORMATIONS[name]
+  tx = LEAVING_OUT[leaving_out](subject.build())
+  steps = 6 * subject.every_k
+  model = _SmallMLP(nnx.Rngs(0))
+  graphdef, start = nnx.split(_SmallMLP(nnx.Rngs(0)), nnx.Param)
+  optimizer = _train_small(model, tx, steps)
+  start = nnx.to_pure_dict(start)
+  # As many state arrays as optax keeps for the pure dict: none for the biases.
+  assert len(jax.tree.leaves(optimizer.opt_state)) == len(jax.tree.leaves(tx.init(start)))
+  inputs, targets = _small_data()
+
+  def loss(params):
+    return jnp.mean((nnx.merge(graphdef, params)(inputs) - targets) ** 2)
+
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                              trained_by_plain_loop(tx, start, loss, steps),
+                              rtol=1e-6, atol=1e-8)
+
+
+def test_params_frozen_by_multi_transform_leave_the_kernels_trained_as_alone():
+  tx = osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-4)
+  model = _SmallMLP(nnx.Rngs(0))
+  graphdef, start = nnx.split(_SmallMLP(nnx.Rngs(0)), nnx.Param)
+  _train_small(model, LEAVING_OUT["multi_transform"](tx), 5)
+  start, trained = nnx.to_pure_dict(start), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  inputs, targets = _small_data()
+
+  def loss(kernels):
+    params = {layer: dict(start[layer], kernel=kernels[layer]) for layer in start}
+    return jnp.mean((nnx.merge(graphdef, params)(inputs) - targets) ** 2)
+
+  kernels = {layer: start[layer]["kernel"] for layer in start}
+  expected = trained_by_plain_loop(tx, kernels, loss, 5)
+  for layer in start:
+    chex.assert_trees_all_equal(trained[layer]["bias"], start[layer]["bias"])
+    chex.assert_trees_all_close(trained[layer]["kernel"], expected[layer], rtol=1e-6, atol=1e-8)
+
+
+class _WithIndices(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 3, rngs=rngs)
+    self.offsets = nnx.Param(jnp.arange(3, dtype=jnp.int32))
+
+  def __call__(self, x):
+    return self.linear(x) + self.offsets.astype(jnp.float32)[None]
+
+
+@pytest.mark.parametrize("leaving_out", sorted(LEAVING_OUT))
+def test_an_integer_param_left_out_as_the_error_advises_trains_under_nnx(leaving_out):
+  model = _WithIndices(nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"params\['offsets'\]: .* exclude it with optax.masked "
+                                      "or optax.multi_transform"):
+    nnx.Optimizer(model, osf.safefactor(0.1), wrt=nnx.Param)
+
+  def is_floating(params):
+    return jax.tree.map(lambda p: jnp.issubdtype(p.dtype, jnp.floating), params)
+
+  excluded = {
+      "masked": optax.masked(osf.safefactor(0.1), is_floating),
+      "multi_transform": optax.multi_transform(
+          {"train": osf.safefactor(0.1), "frozen": optax.set_to_zero()},
+          lambda params: jax.tree.map(lambda floating: "train" if floating else "frozen",
+                                      is_floating(params))),
+  }[leaving_out]
+  optimizer = nnx.Optimizer(model, excluded, wrt=nnx.Param)
+  before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    grads = nnx.grad(lambda model: jnp.sum(model(jnp.ones((2, 4))) ** 2), allow_int=True)(model)
+    # An integer's gradient is float0, which optax.apply_updates cannot add (for any
+    # optimizer): the frozen offsets get a zero of their own dtype.
+    optimizer.update(model, jax.tree.map(
+        lambda g: jnp.zeros(g.shape, jnp.int32) if g.dtype == jax.dtypes.float0 else g, grads))
+
+  train_step(model, optimizer)
+  after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  chex.assert_trees_all_equal(after["offsets"], before["offsets"])
+  assert not jnp.array_equal(after["linear"]["kernel"], before["linear"]["kernel"])

@@ -89,13 +89,21 @@ def _is_linen_box(x: Any) -> bool:
 
 
 def is_box(x: Any) -> bool:
-  """Whether ``x`` is a flax metadata box (an nnx Variable or a linen Partitioned).
+  """Whether ``x`` is a flax metadata box (an nnx Variable or a linen Partitioned) that
+  holds a param.
+
+  A box around an empty tree holds none: ``optax.masked`` and ``optax.multi_transform``
+  hand the transformation a ``MaskedNode`` for each param they leave out, inside the
+  param's box when the params are boxed (``nnx.Optimizer`` inits with Variables). Tree
+  maps then go inside and find no leaf, as they do for a bare ``MaskedNode``, so the
+  param keeps no state.
 
   Called on every node of every tree that may hold boxes, so it tests attributes
   inline (an array has none of them) rather than through the two helpers.
   """
-  return ((hasattr(x, "get_metadata") and hasattr(x, "get_value") and hasattr(x, "replace"))
-          or (hasattr(x, "unbox") and hasattr(x, "replace_boxed") and hasattr(x, "names")))
+  return (((hasattr(x, "get_metadata") and hasattr(x, "get_value") and hasattr(x, "replace"))
+           or (hasattr(x, "unbox") and hasattr(x, "replace_boxed") and hasattr(x, "names")))
+          and bool(jax.tree.leaves(x)))
 
 
 def unbox(x: Any) -> Any:
