@@ -1,15 +1,18 @@
-"""Flax Linen: logical partitioning, eval_shape to jit(init); TrainState: test_ecosystems.py."""
+"""Flax Linen: logical partitioning, eval_shape to jit(init); a TrainState of boxed params
+trained as it is (unboxed params: test_ecosystems.py)."""
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
+import pytest
 from flax.training import train_state
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from tests.helpers import trained_by_plain_loop
+from tests.helpers import TRANSFORMATIONS, assert_trees_bitwise_equal, trained_by_plain_loop
 
 RULES = (("embed", "data"), ("mlp", "model"), ("layers", None))
 
@@ -70,8 +73,10 @@ def _create(rng, tx):
   return train_state.TrainState.create(apply_fn=MODEL.apply, params=variables["params"], tx=tx)
 
 
-def test_logical_partitioning_flow_names_the_reduced_axes_none():
+@pytest.mark.parametrize("boxed", [False, True], ids=["unboxed", "boxed"])
+def test_logical_partitioning_flow_names_the_reduced_axes_none(boxed):
   # Linen's Dense spells no output sharding, so its logical flow runs with Auto axes.
+  # The state is trained unboxed, or as jit(init) made it, boxes and all.
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   tx = osf.safefactor(5e-2, momentum=0.9)
 
@@ -90,13 +95,112 @@ def test_logical_partitioning_flow_names_the_reduced_axes_none():
   with jax.set_mesh(mesh):
     shardings = nn.logical_to_mesh_sharding(logical_specs, mesh, RULES)
     state = jax.jit(init, out_shardings=shardings)(rng)
-    state = nn.meta.unbox(state)
-    v_row = state.opt_state.inner_state.second_moment["Dense_0"]["kernel"].v_row
+    if not boxed:
+      state = nn.meta.unbox(state)
+    v_row = nn.meta.unbox(state.opt_state).inner_state.second_moment["Dense_0"]["kernel"].v_row
     assert v_row.shape == (256, 1) and v_row.sharding.spec == P("data", None)
     with nn.logical_axis_rules(RULES):
       state, losses = _train(state, 6)
   assert losses[-1] < 0.8 * losses[0]
+  if boxed:  # still boxed, each name where init put it
+    assert nn.get_partition_spec(state.opt_state) == logical_specs.opt_state
+  state = nn.meta.unbox(state)
   # Sharded sums add in another order: equal to float32 rounding, not bit for bit.
   chex.assert_trees_all_close(state.params, _plain_params(tx, 6), rtol=1e-5, atol=1e-7)
   new_row = state.opt_state.inner_state.second_moment["Dense_0"]["kernel"].v_row
   assert new_row.sharding.is_equivalent_to(v_row.sharding, 2)
+
+
+# A TrainState of logically partitioned params, trained as it is: the grads come boxed as
+# the params are, and the updates must come back so.
+
+
+def _boxed_dense(dtype):
+  return nn.Dense(256, param_dtype=dtype,
+                  kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                           ("embed", "mlp")),
+                  bias_init=nn.with_logical_partitioning(nn.initializers.normal(0.1), ("mlp",)))
+
+
+def _dense_state(tx, dtype, boxed):
+  model = _boxed_dense(dtype)
+  params = model.init(jax.random.key(0), jnp.ones((1, 128), dtype))["params"]
+  return train_state.TrainState.create(apply_fn=model.apply,
+                                       params=params if boxed else nn.meta.unbox(params), tx=tx)
+
+
+@jax.jit
+def _dense_step(state, poisoned):
+  dtype = nn.meta.unbox(state.params)["bias"].dtype
+  inputs = jax.random.normal(jax.random.key(1), (8, 128)).astype(dtype)
+
+  def loss(params):
+    out = state.apply_fn({"params": params}, inputs).astype(jnp.float32)
+    return jnp.mean((out - 1.0) ** 2)
+
+  grads = jax.grad(loss)(state.params)
+  # A NaN in the kernel's grad (in its box, when boxed) on the poisoned step.
+  grads = jax.tree.map(lambda g: g.at[0, 0].set(jnp.where(poisoned, jnp.nan, g[0, 0]))
+                       if g.ndim == 2 else g, grads)
+  return state.apply_gradients(grads=grads)
+
+
+def _boxed_and_unboxed(tx, dtype, steps, nan_step=None):
+  """The boxed TrainState and the unboxed one after ``steps`` of ``_dense_step``; the boxed
+  one's params and state keep their boxes, and equal the unboxed ones bit for bit."""
+  boxed, unboxed = (_dense_state(tx, dtype, boxed) for boxed in (True, False))
+  specs = nn.get_partition_spec((boxed.params, boxed.opt_state))
+  assert specs[0] == {"kernel": P("embed", "mlp"), "bias": P("mlp")}
+  for step in range(steps):
+    boxed, unboxed = (_dense_step(state, step == nan_step) for state in (boxed, unboxed))
+  assert nn.get_partition_spec((boxed.params, boxed.opt_state)) == specs
+  assert_trees_bitwise_equal(nn.meta.unbox(boxed.params), unboxed.params)
+  assert_trees_bitwise_equal(nn.meta.unbox(boxed.opt_state), unboxed.opt_state)
+  return boxed, unboxed
+
+
+NAN_STEP = 3
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_a_boxed_train_state_trains_as_the_unboxed_one(name):
+  # 0.3's update refused the boxed grads as not matching its state.
+  subject = TRANSFORMATIONS[name]
+  boxed, _ = _boxed_and_unboxed(subject.build(), jnp.float32, 6 * subject.every_k,
+                                NAN_STEP if subject.guarded else None)
+  if subject.guarded:
+    assert int(osf.skipped_steps(boxed.opt_state)) == 1
+
+
+# The modes that draw bits or keep a compensation per param, on bfloat16 params: a leaf's
+# bits come from its path, which must be the param's, not the path into its box.
+ROUNDING = {
+    "stochastic": lambda: osf.safefactor(1e-2, momentum=0.9, param_rounding="stochastic",
+                                         rounding_seed=1),
+    "kahan": lambda: osf.safefactor(1e-2, momentum=0.9, param_rounding="kahan"),
+    "with_param_rounding": lambda: osf.with_param_rounding(optax.sgd(1e-2, momentum=0.9),
+                                                           "stochastic", seed=1),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(ROUNDING))
+def test_a_boxed_bfloat16_train_state_is_rounded_as_the_unboxed_one(mode):
+  boxed, _ = _boxed_and_unboxed(ROUNDING[mode](), jnp.bfloat16, 5)
+  assert nn.meta.unbox(boxed.params)["kernel"].dtype == jnp.bfloat16
+
+
+def test_a_nan_in_a_boxed_grad_is_skipped_and_named_by_its_param():
+  boxed, _ = _boxed_and_unboxed(osf.safefactor(1e-2), jnp.float32, 5, nan_step=NAN_STEP)
+  report = osf.nonfinite_report(boxed.opt_state)
+  assert report["skipped_steps"] == 1
+  assert report["nonfinite_steps/params['kernel']"] == 1
+  assert report.get("nonfinite_steps/params['bias']", 0) == 0
+
+
+def test_a_boxed_param_left_out_by_multi_transform_keeps_no_state():
+  tx = optax.multi_transform({"train": osf.safefactor(1e-2), "frozen": optax.set_to_zero()},
+                             {"kernel": "train", "bias": "frozen"})
+  boxed, unboxed = _boxed_and_unboxed(tx, jnp.float32, 3)
+  assert len(jax.tree.leaves(boxed.opt_state)) == len(jax.tree.leaves(unboxed.opt_state))
+  assert_trees_bitwise_equal(nn.meta.unbox(boxed.params)["bias"],
+                             nn.meta.unbox(_dense_state(tx, jnp.float32, True).params)["bias"])

@@ -218,4 +218,4 @@ def accumulate_gradients(
         micro_batches=counters.count_call(state.micro_batches, leaf_finite, finite),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, placement.through_boxes(update_fn))

@@ -347,7 +347,7 @@ def check_leaf_state(path: KeyPath, grad: Any, moment: Any, stat_shapes: dict, m
   The state's shapes record the plan ``init`` used; a mismatch means the state was made
   for other params or with other factoring settings.
   """
-  found = {name: tuple(stat.shape) for name, stat in moment._asdict().items()}
+  found = dict(zip(moment._fields, map(np.shape, moment), strict=True))
   if found != stat_shapes:
     raise ValueError(
         f"{path_name(path)}: optimizer state {found} does not fit grad shape "

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from optax_safefactor._src import checks, numerics, reports, spikes, xla_hints
+from optax_safefactor._src import checks, numerics, placement, reports, spikes, xla_hints
 from optax_safefactor._src.checked_mode import needs_checkify
 from optax_safefactor._src.counters import (
     COUNTER_FIELDS,
@@ -348,6 +348,6 @@ def skip_nonfinite(
                                     max_consecutive=max_consecutive, checked=checked,
                                     spike=spike, hyperparams_finite=hyperparams_finite)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, placement.through_boxes(update_fn))
 
 

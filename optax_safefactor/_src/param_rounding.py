@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import bit_streams, checks, numerics, write_back
+from optax_safefactor._src import bit_streams, checks, numerics, placement, write_back
 from optax_safefactor._src.trees import unzip_leaf_results
 
 
@@ -182,4 +182,4 @@ def with_param_rounding(
         compensation=new_compensation if keeps_compensation else state.compensation,
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, placement.through_boxes(update_fn))

@@ -9,13 +9,14 @@ left unnamed: a size-1 axis never names a mesh axis. That one rule,
 needs is an all-reduce of a row- or column-sized statistic or of a scalar.
 
 Flax boxes (nnx Variables, linen ``Partitioned``) are recognised by their methods,
-not their types, since flax is optional.
+not their types, since flax is optional. An update handed boxed grads steps the arrays
+inside and boxes its results back (:func:`through_boxes`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -113,6 +114,48 @@ def unbox(x: Any) -> Any:
   if _is_linen_box(x):
     return x.unbox()
   return x
+
+
+def _value_of(x: Any) -> Any:
+  """The array in a box as it is (anything else unchanged): linen's ``unbox()`` would also
+  constrain its sharding to the box's names, which an update leaves to the step's
+  shardings, as optax's do."""
+  if _is_nnx_variable(x):
+    return x.get_value()
+  if _is_linen_box(x):
+    return x.value
+  return x
+
+
+def _unboxed(tree: Any) -> Any:
+  return jax.tree.map(_value_of, tree, is_leaf=is_box)
+
+
+def _boxed_like(boxes: Any, values: Any) -> Any:
+  """``values``, a tree of ``boxes``' structure unboxed, in ``boxes``' boxes."""
+  return jax.tree.map(lambda box, value: box.replace(value=value) if is_box(box) else value,
+                      boxes, values, is_leaf=is_box)
+
+
+def through_boxes(update_fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+  """``update_fn`` for grads that may come boxed: it steps the arrays inside.
+
+  Linen's ``TrainState`` hands ``update`` boxed grads, params and state (a ``Partitioned``
+  is a pytree node, and ``jax.grad`` boxes the grads as the params are). The step runs on
+  the arrays, so every leaf is named, planned and rounded as it would be unboxed; the
+  updates come back boxed as the grads are (``optax.apply_updates`` adds them to the
+  boxed params) and the state as it came in.
+  """
+
+  def update(updates, state, params=None, **extra_args):
+    # Two flattenings, no tree rebuilt, when nothing is boxed (nnx.Optimizer unboxes).
+    if jax.tree.structure(updates, is_leaf=is_box) == jax.tree.structure(updates):
+      return update_fn(updates, state, params, **extra_args)
+    new_updates, new_state = update_fn(_unboxed(updates), _unboxed(state), _unboxed(params),
+                                       **extra_args)
+    return _boxed_like(updates, new_updates), _boxed_like(state, new_state)
+
+  return update
 
 
 def _fitted_names(names: Any, param_shape: Sequence[int], state_shape: Sequence[int]) -> Any:

@@ -119,7 +119,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                                       kernel.MOMENT_TYPES)
     if guarded:
       guard.check_spike_state(state, hp.skip_spikes, hp.spike_window)
-    none_tree = jax.tree.map(lambda _: None, updates)
+    treedef = jax.tree.structure(updates)
+    none_tree = treedef.unflatten([None] * treedef.num_leaves)
     masks = (_decay_masks(hp.weight_decay_mask, updates) if hp.weight_decay_rate is not None
              else none_tree)
     momentum_tree = none_tree if hp.momentum is None else inner.momentum
@@ -165,16 +166,17 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     # (a moment, a Leaf) arrives whole.
     compensation_tree = none_tree if inner.compensation is None else inner.compensation
     # The leaves, then the units the kernel steps: a leaf alone, or small leaves packed.
-    treedef = jax.tree.structure(updates)
     columns = [treedef.flatten_up_to(tree) for tree in (
         updates, leaves, inner.second_moment, params_tree, momentum_tree, compensation_tree)]
     leaf_count = len(columns[0])
     if hp.pack_small_leaves and leaf_count >= packing.MIN_LEAVES_TO_PACK:
       units = packing.units(*columns, enabled=True)
+      any_packed = any([unit.packed for unit in units])
     else:
       # Too few leaves for a packed group: packing's bookkeeping is not entered at all.
       units = [packing.Unit(packing.Group((index,), (tuple(grad.shape),)), False, index, (index,))
                for index, grad in enumerate(columns[0])]
+      any_packed = False
     # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups only.
     leaf_inputs = list(zip(*columns, strict=True))
     inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
@@ -230,7 +232,6 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
           for (grad, leaf, moment, param, momentum, compensation), (new_moment, scaling, _)
           in zip(inputs, first_half, strict=True)]
 
-    any_packed = any([unit.packed for unit in units])
     row_index = xla_hints.row_indices(inner.count, packing.ROWS_PER_GROUP) if any_packed else []
 
     def tree_of(values_by_unit):
@@ -256,7 +257,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
         hyperparams_finite=step.flag_vector(),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, placement.through_boxes(update_fn))
 
 
 def _unit_after_unit(hp: Hyperparams, step: schedules.StepValues,
