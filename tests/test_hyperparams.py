@@ -158,7 +158,11 @@ def test_a_complex_momentum_dtype_names_a_precision():
 @pytest.mark.parametrize("name,accepted,refused", [
     ("momentum", [0.0, 0.5, 0.999], [1.0, 1.5, -0.1]),
     ("min_dim_size_to_factor", [1, 128], [0, -1]),
-    ("max_parameter_scale", [0.5, 1e-3, 10.0], [0.0, -1.0]),
+    ("max_parameter_scale", [0.5, 1e-3, 10.0], [0.0, -1.0, float("inf")]),
+    ("clipping_threshold", [0.25, 1.0, 1e6], [0.0, -1.0, float("inf")]),
+    ("eps", [0.0, 1e-30, 1.0], [-1e-30, float("inf")]),
+    ("min_parameter_scale", [0.0, 1e-3, 5.0], [-1e-3, float("inf")]),
+    ("decay_offset", [-2**31, 0, 2**31 - 1], [-2**31 - 1, 2**31]),
 ])
 def test_each_range_is_checked_at_both_ends(name, accepted, refused):
   # Each bound, from inside and outside: a range checked one-sided passes half its errors.

@@ -10,6 +10,7 @@ rows get zero gradients and an all-zero gradient, in float32 and float64.
 import inspect
 import math
 import re
+import warnings
 
 import hypothesis.strategies as st
 import jax
@@ -558,6 +559,22 @@ def test_transformers_property(clip_threshold, decay_rate, beta1, weight_decay,
   ours, _ = _run_preset(osf.presets.transformers(**kwargs), params, grads)
   theirs = _run_torch(lambda ps: hf.Adafactor(ps, **kwargs), params, grads, torch)
   assert _largest_difference(ours, theirs) <= BOUND[np.float32]
+
+
+@pytest.mark.parametrize("build", [
+    lambda: osf.presets.t5x(1e-2, multiply_by_parameter_scale=False, epsilon2=0.2,
+                            max_parameter_scale=0.5, factored=False, min_dim_size_to_factor=4),
+    lambda: osf.presets.big_vision(1e-2, momentum=None),
+    lambda: osf.presets.transformers(lr=1e-3, relative_step=False, scale_parameter=False,
+                                     eps=(1e-30, 0.1)),
+], ids=["t5x", "big_vision", "transformers"])
+def test_a_preset_drops_what_its_original_ignores_without_warning(build):
+  # The originals ignore a parameter scale's bounds without the scale, a momentum's dtype
+  # without momentum, a size threshold without factoring; passed on, safefactor warned of
+  # them under its own names (and big_vision's bfloat16 momentum dtype is its default).
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    build()
 
 
 def test_transformers_clips_below_one_as_hf_does():
