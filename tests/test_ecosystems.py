@@ -200,6 +200,12 @@ def test_msgpack_refuses_a_state_dict_of_other_fields():
                      r"\['counts', 'last_step'\], but the state dict has \['counts'\] at path "
                      r"\./nonfinite_hyperparams"):
     serialization.from_state_dict(state, state_dict)
+  # A field more is refused too, not dropped.
+  state_dict = serialization.to_state_dict(state)
+  state_dict["nonfinite_steps"]["total"] = state_dict["nonfinite_steps"]["counts"]
+  with pytest.raises(ValueError, match=r"a LeafCounts restores from the fields \['counts'\], "
+                     r"but the state dict has \['counts', 'total'\] at path \./nonfinite_steps"):
+    serialization.from_state_dict(state, state_dict)
 
 
 def test_msgpack_needs_flax_only_when_flax_is_imported():
@@ -218,6 +224,8 @@ state = tx.init({"w": jnp.ones((4, 8))})
 
 from flax import serialization
 
+# The finder that registered the counters with flax has left the import system.
+assert not [finder for finder in sys.meta_path if type(finder).__name__ == "_RegisterOnImport"]
 restored = serialization.from_bytes(tx.init({"w": jnp.ones((4, 8))}),
                                     serialization.to_bytes(state))
 print(restored.nonfinite_steps.names())
