@@ -127,3 +127,23 @@ def test_replace_keeps_the_guard_of_0_1s_bug():
   params, state = _run(osf.skip_nonfinite(rebuilt))
   assert int(osf.skipped_steps(state)) == 3
   np.testing.assert_array_equal(np.isfinite(params["w"]), True)
+
+
+@pytest.mark.parametrize("inner", [
+    lambda: osf.safefactor(1e-2, skip_spikes=6.0),
+    lambda: optax.chain(osf.safefactor(1e-2, skip_spikes=6.0), optax.scale(1.0)),
+    lambda: osf.skip_nonfinite(optax.sgd(1e-2, momentum=0.9), skip_spikes=6.0),
+], ids=["safefactor", "chain", "skip_nonfinite"])
+def test_a_guard_around_a_spike_guard_applies_the_steps_the_inner_guard_applies(inner):
+  # The inner guard's spike history holds NaN before any spike, by design; the outer guard
+  # took it for a non-finite state and skipped every step, for ever.
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)}
+  grads = [{"w": jnp.cos(params["w"] * (step + 1))} for step in range(6)]
+  grads[3] = {"w": jnp.full((4, 3), jnp.nan)}
+  bare, bare_state, _ = run_steps(inner(), params, grads)
+  wrapped, wrapped_state, _ = run_steps(osf.skip_nonfinite(inner()), params, grads)
+  assert_trees_close(wrapped, bare, rtol=0)
+  # The inner guard skipped the NaN step; the outer one saw a finite, skipped step.
+  assert int(osf.skipped_steps(bare_state)) == 1
+  assert int(osf.skipped_steps(wrapped_state)) == 1
+  assert not jnp.allclose(wrapped["w"], params["w"])

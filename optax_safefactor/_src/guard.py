@@ -222,6 +222,15 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> jax.Array:
   return flag_vector(jax.tree.leaves(jax.tree.map(leaf_finite, new_updates, *shaped)))
 
 
+def _without_spike_histories(state: Any) -> Any:
+  """``state`` less the spike histories of guards inside it: their NaN marks the steps
+  not yet seen (:class:`SpikeHistory`'s values before any spike), not a non-finite step."""
+  def is_history(x):
+    return isinstance(x, spikes.SpikeHistory)
+
+  return jax.tree.map(lambda x: None if is_history(x) else x, state, is_leaf=is_history)
+
+
 def _square_sums(grads: Any) -> jax.Array:
   """Per leaf, the sum of ``|g|**2`` in float32 (0 for a leaf that is not floating)."""
 
@@ -330,7 +339,7 @@ def skip_nonfinite(
     check_spike_state(state, skip_spikes, spike_window)
     loss = spikes.loss_given(extra_args) if skip_spikes is not None else None
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    leaf_finite = _leaf_finite_from_outputs(new_updates, new_inner)
+    leaf_finite = _leaf_finite_from_outputs(new_updates, _without_spike_histories(new_inner))
     # The values optax.inject_hyperparams used this step, kept in the new inner state.
     hyperparams = injected_hyperparams(new_inner).values()
     hyperparams_finite = (flag_vector([jnp.all(jnp.isfinite(v)) for v in hyperparams])
