@@ -318,6 +318,19 @@ def test_every_k_schedule_of_the_applied_step():
   assert multi_steps == [value for _, value in steps]
 
 
+@pytest.mark.parametrize("value,group", [(2.5, 2), (float("nan"), 1), (float("inf"), 1)])
+def test_a_schedule_value_that_is_no_whole_number_is_truncated_or_one(value, group):
+  # Documented as "floored at 1" alone: 2.5 grouped 2, silently, and a NaN's cast to int32
+  # is left undefined by XLA.
+  params = {"w": jnp.zeros((3,))}
+  tx = osf.accumulate_gradients(optax.identity(), lambda step: jnp.asarray(value, jnp.float32))
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for _ in range(6):
+    _, state = update({"w": jnp.ones((3,))}, state, params)
+  assert int(state.applied_steps) == 6 // group
+
+
 def test_an_injected_every_k_groups_as_the_int_does_and_changes_without_recompiling():
   # optax.inject_hyperparams hands every_k over as an int32 array, a tracer under jit:
   # 0.2 refused it ("every_k must be a positive int or a schedule").

@@ -366,3 +366,22 @@ def test_leaves_fill_the_path_budget_exactly_and_no_further(extra):
   tail = f", params['{second}'] x1 (last at step 0)" if not extra else " and 1 more leaf"
   assert osf.nonfinite_summary(state) == (
       f"skipped 1 of 1 step (1 in a row); non-finite: {shown}{tail}")
+
+
+def test_a_batched_state_is_refused_with_how_to_read_one_member():
+  # An ensemble's state (init and update under jax.vmap) failed inside the reports with
+  # "zip() argument 2 is longer than argument 1".
+  tx = osf.skip_nonfinite(optax.sgd(1e-3))
+  params = {"w": jnp.ones((3, 4))}
+  state = jax.vmap(tx.init)(params)
+  _, state = jax.vmap(tx.update)({"w": jnp.ones((3, 4)).at[1].set(jnp.nan)}, state, params)
+  assert osf.skipped_steps(state).tolist() == [0, 1, 0]
+  message = (r"the reports read one optimizer's state, and this one holds a batch of \(3,\) "
+             r"\(made under jax.vmap\): pass one member's, e.g. jax.tree.map\(lambda x: x\[i\], "
+             r"opt_state\)")
+  for report in (osf.nonfinite_report, osf.nonfinite_summary,
+                 functools.partial(osf.check_nonfinite_steps, max_consecutive=1)):
+    with pytest.raises(ValueError, match=message):
+      report(state)
+  member = jax.tree.map(lambda x: x[1], state)
+  assert osf.nonfinite_report(member)["skipped_steps"] == 1

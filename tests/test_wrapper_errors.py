@@ -7,6 +7,8 @@ error instead. They share safefactor's checks (``_src/checks.py``), so the messa
 the same across the library.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +171,27 @@ def test_skip_nonfinite_leaves_dtypes_to_the_inner_transformation():
   updates, state = jax.jit(tx.update)(grads, state, params)
   assert int(osf.skipped_steps(state)) == 0
   assert updates["step"].dtype == jnp.int32
+
+
+def test_skip_nonfinite_takes_its_settings_as_safefactor_does():
+  # checked="no" read as True (and then raised CheckedWithoutCheckifyError under jit); a
+  # spike window without the spike rule passed silently, where safefactor warns of it.
+  with pytest.raises(TypeError, match=r"checked must be True or False, got 'no'"):
+    osf.skip_nonfinite(optax.sgd(0.1), checked="no")
+  with pytest.warns(UserWarning, match=r"spike_window=16 sets the spike rule's history, and "
+                                       r"skip_spikes is not set: it has no effect") as caught:
+    osf.skip_nonfinite(optax.sgd(0.1), spike_window=16)
+  assert [warning.filename for warning in caught] == [__file__]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    osf.skip_nonfinite(optax.sgd(0.1), spike_window=16, skip_spikes=6.0)
+
+
+def test_safefactor_names_a_guard_state_around_another_transformation():
+  # It failed with AttributeError: 'tuple' object has no attribute 'momentum'.
+  params = {"w": jnp.ones(3)}
+  state = osf.skip_nonfinite(optax.sgd(0.1)).init(params)
+  with pytest.raises(TypeError, match=r"update expected a SkipNonfiniteState around an "
+                                      r"AdafactorState from this optimizer's init, got one "
+                                      r"around a tuple"):
+    osf.safefactor(1e-3).update(params, state, params)

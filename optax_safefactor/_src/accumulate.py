@@ -46,9 +46,12 @@ class AccumulationState(NamedTuple):
 
 
 def _group_size(every_k: EveryK, applied_steps: jax.Array) -> jax.Array:
-  """How many finite micro-batches make this group; a schedule's value is floored at 1."""
-  size = every_k(applied_steps) if callable(every_k) else every_k
-  return jnp.maximum(jnp.asarray(size).astype(jnp.int32), 1)
+  """How many finite micro-batches make this group: a schedule's value truncated to an
+  integer and floored at 1 (1 for a non-finite value, whose cast XLA leaves undefined)."""
+  size = jnp.asarray(every_k(applied_steps) if callable(every_k) else every_k)
+  if jnp.issubdtype(size.dtype, jnp.floating):
+    size = jnp.where(jnp.isfinite(size), size, 1)
+  return jnp.maximum(size.astype(jnp.int32), 1)
 
 
 def _accumulator_like(param: Any) -> Any:
@@ -123,7 +126,8 @@ def accumulate_gradients(
       integer scalar array, as ``optax.inject_hyperparams`` passes it, so that it can
       change between steps without a recompile), or a schedule of the number of steps
       applied so far (as ``every_k_schedule`` in ``optax.MultiSteps``), whose value is
-      floored at 1.
+      truncated to an integer and floored at 1 (2.5 groups 2 micro-batches; NaN or Inf,
+      1).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is an

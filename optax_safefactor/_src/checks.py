@@ -100,8 +100,10 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
     )
 
 
-def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None = None) -> None:
-  """``update`` must get the state this transformation's ``init`` made.
+def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None = None,
+                     *, inner: type | None = None) -> None:
+  """``update`` must get the state this transformation's ``init`` made (around an
+  ``inner`` state of that type, when given).
 
   The usual mistakes are an ``optax.adafactor`` state (to be converted with
   ``migrate_from_optax``), arguments in the wrong order, and a checkpoint restored
@@ -109,6 +111,13 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
   handed the state of the transformation it wraps, made by that one's own ``init``.
   """
   if isinstance(state, expected):
+    if inner is not None and not isinstance(state.inner_state, inner):
+      # A guard's state around another transformation's (skip_nonfinite(optax.adam)).
+      raise TypeError(
+          f"update expected {_a(expected.__name__)} around {_a(inner.__name__)} from this "
+          f"optimizer's init, got one around {_a(type(state.inner_state).__name__)}: the "
+          "state of a guard around another transformation; make the state with this "
+          "optimizer's init")
     return
   if isinstance(grads, expected):
     raise TypeError(

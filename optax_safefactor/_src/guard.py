@@ -27,6 +27,7 @@ run there the same way, since a skipped step does not advance the count it reads
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any
 
@@ -319,6 +320,12 @@ def skip_nonfinite(
   """
   checks.check_transformation(inner, "skip_nonfinite")
   spikes.check_settings(skip_spikes, spike_window)
+  if not isinstance(checked, (bool, np.bool_)):
+    # A string such as "no" from a config file would otherwise read as True.
+    raise TypeError(f"checked must be True or False, got {checked!r}")
+  unused = spikes.unused_window(skip_spikes, spike_window)
+  if unused:
+    warnings.warn(unused, UserWarning, stacklevel=2)
   checks.check_positive_int(
       max_consecutive, "max_consecutive", none_ok=True,
       meaning=" (the number of consecutive skipped steps that raises NonFiniteStepsError; "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from optax_safefactor._src import counters, spikes
 from optax_safefactor._src.placement import unbox
 
@@ -82,6 +84,13 @@ def guard_records(opt_state: Any) -> list[GuardRecord]:
   """
   records = []
   for guard in counters.find_counters(opt_state):
+    batch = np.shape(unbox(guard.step))
+    if batch:
+      # jax.vmap over init and update (an ensemble) gives every counter a batch axis.
+      raise ValueError(
+          f"the reports read one optimizer's state, and this one holds a batch of {batch} "
+          "(made under jax.vmap): pass one member's, e.g. jax.tree.map(lambda x: x[i], "
+          "opt_state); skipped_steps(opt_state) gives every member's total")
     nonfinite = guard.nonfinite_steps.host_values()
     hyperparam_counts = getattr(guard, "nonfinite_hyperparams", None)
     hyperparams, last_hyperparams = ({}, {}) if hyperparam_counts is None else (

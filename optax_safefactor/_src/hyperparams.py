@@ -260,11 +260,8 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
     unused.append(f"{name('min_parameter_scale')}={hyperparams.min_parameter_scale!r} is above "
                   f"{name('max_parameter_scale')}={hyperparams.max_parameter_scale!r}: every "
                   "param is scaled by the maximum, and the minimum has no effect")
-  window = hyperparams.spike_window
-  if (hyperparams.skip_spikes is None and not isinstance(window, jax.core.Tracer)
-      and int(np.asarray(window)) != Hyperparams._field_defaults["spike_window"]):
-    unused.append(f"{name('spike_window')}={window!r} sets the spike rule's history, and "
-                  f"{name('skip_spikes')} is not set: it has no effect")
+  unused.append(spikes.unused_window(hyperparams.skip_spikes, hyperparams.spike_window,
+                                     name("spike_window"), name("skip_spikes")))
   if hyperparams.weight_decay_mask is not None and hyperparams.weight_decay_rate is None:
     unused.append(f"{name('weight_decay_mask')} selects the params that "
                   f"{name('weight_decay_rate')} decays, and none is set: it has no effect")

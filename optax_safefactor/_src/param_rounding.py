@@ -15,8 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import bit_streams, checks, numerics, placement, write_back
-from optax_safefactor._src.trees import unzip_leaf_results
+from optax_safefactor._src import (
+    bit_streams,
+    checks,
+    counters,
+    numerics,
+    placement,
+    write_back,
+)
+from optax_safefactor._src.trees import find_all, unzip_leaf_results
 
 
 class ParamRoundingState(NamedTuple):
@@ -24,7 +31,8 @@ class ParamRoundingState(NamedTuple):
 
   Attributes:
     inner_state: the wrapped transformation's state (built from float32 params).
-    count: applied steps (int32); with the seed and the leaf path it picks the bits.
+    count: applied steps (int32; a step a guard inside skipped is not one); with the
+      seed and the leaf path it picks the bits.
     compensation: ``"kahan"`` only (else ``None``): per narrow param, what rounding
       lost, in the param dtype and placed like the param; ``None`` for other leaves.
   """
@@ -48,6 +56,17 @@ def _widen(tree: Any) -> Any:
   return jax.tree.map(
       lambda x: x.astype(numerics.compute_dtype(_dtype(x))) if _is_narrow(x) else x, tree
   )
+
+
+def _skipped_inside(old_inner: Any, new_inner: Any) -> jax.Array:
+  """Whether a guard inside the wrapped transformation skipped this step: one of this
+  package's counted a skip, or an ``optax.apply_if_finite`` found the step non-finite."""
+  guards = (counters.COUNTER_TYPES, optax.ApplyIfFiniteState)
+  skipped = [~new.last_finite if isinstance(new, optax.ApplyIfFiniteState)
+             else new.skipped_steps > old.skipped_steps
+             for old, new in zip(find_all(old_inner, guards), find_all(new_inner, guards),
+                                 strict=True)]
+  return jnp.any(jnp.stack(skipped)) if skipped else jnp.asarray(False)
 
 
 def with_param_rounding(
@@ -81,7 +100,9 @@ def with_param_rounding(
   scaling, clipping or weight decay after it): the update is only right as given.
   :func:`optax_safefactor.skip_nonfinite` may wrap it, since a skip zeroes the
   updates and restores the whole state, the rounding state included, so a skipped
-  step consumes no bits and leaves the compensation alone.
+  step consumes no bits and leaves the compensation alone. A step that a guard inside
+  ``inner`` skips (this package's, or ``optax.apply_if_finite``) draws no bits either:
+  the count stays, and the run equals the run without that step.
 
   Example:
     >>> import jax.numpy as jnp
@@ -151,6 +172,13 @@ def with_param_rounding(
     # Any dtype: float32 grads for bfloat16 params are fine (the update takes the
     # param's dtype); shapes and structure must agree, leaf by leaf.
     checks.check_update_inputs(updates, params, any_dtype=True)
+    if keeps_compensation:
+      # A compensation for each narrow param of init's: a state made before the params
+      # were cast to bfloat16 has none (and the reverse carries one never used).
+      flat_params, params_def = jax.tree_util.tree_flatten_with_path(params)
+      for (path, param), compensation in zip(
+          flat_params, params_def.flatten_up_to(state.compensation), strict=True):
+        checks.check_leaf_compensation(path, param, compensation)
     inner_updates, inner_state = inner.update(
         _widen(updates), state.inner_state, None if params is None else _widen(params),
         **extra_args,
@@ -178,7 +206,10 @@ def with_param_rounding(
     new_updates, new_compensation = unzip_leaf_results(updates, written, 2)
     return new_updates, ParamRoundingState(
         inner_state=inner_state,
-        count=optax.safe_increment(state.count),
+        # A step a guard inside ``inner`` skipped lands nothing and draws no bits, so a
+        # run with it is the run without it, as with the guard outside.
+        count=jnp.where(_skipped_inside(state.inner_state, inner_state), state.count,
+                        optax.safe_increment(state.count)),
         compensation=new_compensation if keeps_compensation else state.compensation,
     )
 

@@ -177,7 +177,9 @@ def skipped_spikes(opt_state: Any) -> jax.Array:
 def nonfinite_report(opt_state: Any) -> dict[str, int | float]:
   """What the guards saw, as a flat dict of ints ready to log.
 
-  Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), always;
+  Keys: ``skipped_steps``, ``consecutive_skips`` and ``steps`` (update calls), for every
+  state that holds a guard (the micro-batch keys below instead, for a state whose only
+  counters are :func:`accumulate_gradients`');
   then, for each parameter that was ever non-finite and for no other,
   ``nonfinite_steps/<path>`` (in how many steps it was) and ``last_nonfinite_step/<path>``
   (the ``steps`` value of the last one), and likewise for each hyperparameter that an

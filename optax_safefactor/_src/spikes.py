@@ -135,6 +135,24 @@ spike rule keeps; it judges once half of them are there), got 1
     raise ValueError(f"spike_window must be an int of at least 2{meaning}, got {spike_window!r}")
 
 
+# The window a guard keeps when none is given.
+DEFAULT_WINDOW = 128
+
+
+def unused_window(skip_spikes: Any, spike_window: Any, window_name: str = "spike_window",
+                  spikes_name: str = "skip_spikes") -> str | None:
+  """The warning for a window given without the spike rule, or ``None``.
+
+  >>> unused_window(None, 64)
+  "spike_window=64 sets the spike rule's history, and skip_spikes is not set: it has no effect"
+  """
+  if (skip_spikes is None and not isinstance(spike_window, jax.core.Tracer)
+      and int(np.asarray(spike_window)) != DEFAULT_WINDOW):
+    return (f"{window_name}={spike_window!r} sets the spike rule's history, and "
+            f"{spikes_name} is not set: it has no effect")
+  return None
+
+
 def window_of(history: SpikeHistory) -> int:
   """The history's ``spike_window``: its ring's length (static, from the shape)."""
   return history.gradient_norms.shape[0]

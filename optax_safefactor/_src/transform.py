@@ -103,7 +103,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
   def update_fn(updates, state, params=None, **extra_args):
     expected = counters.SkipNonfiniteState if guarded else AdafactorState
-    checks.check_state_type(state, expected, updates)
+    checks.check_state_type(state, expected, updates,
+                            inner=AdafactorState if guarded else None)
     inner = state.inner_state if guarded else state
     checks.check_counters(inner, ("count",))
     if guarded:
