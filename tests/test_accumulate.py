@@ -323,7 +323,9 @@ def test_a_schedule_value_that_is_no_whole_number_is_truncated_or_one(value, gro
   # Documented as "floored at 1" alone: 2.5 grouped 2, silently, and a NaN's cast to int32
   # is left undefined by XLA.
   params = {"w": jnp.zeros((3,))}
-  tx = osf.accumulate_gradients(optax.identity(), lambda step: jnp.asarray(value, jnp.float32))
+  # Computed from the traced step, as a real schedule's value is: XLA casts it, not NumPy.
+  tx = osf.accumulate_gradients(optax.identity(),
+                                lambda step: jnp.float32(value) + 0 * step.astype(jnp.float32))
   state = tx.init(params)
   update = jax.jit(tx.update)
   for _ in range(6):

@@ -80,10 +80,20 @@ def _language_model_class():
 
 
 def _build_model(vocab_size: int, dtype, seed: int):
-  """Params stored in ``dtype`` (their gradients too); activations in float32."""
+  """Params stored in ``dtype`` (their gradients too); activations in float32.
+
+  Every dtype starts from the same weights, the float32 model's rounded: flax's
+  initialisers draw in the param dtype, which would give a bfloat16 model other weights
+  than the float32 one it is compared with.
+  """
   from flax import nnx
 
-  return _language_model_class()(vocab_size, dtype, nnx.Rngs(seed))
+  language_model = _language_model_class()
+  model = language_model(vocab_size, dtype, nnx.Rngs(seed))
+  if jnp.dtype(dtype) != jnp.float32:
+    weights = nnx.state(language_model(vocab_size, jnp.float32, nnx.Rngs(seed)), nnx.Param)
+    nnx.update(model, jax.tree.map(lambda w: w.astype(dtype), weights))
+  return model
 
 
 @dataclasses.dataclass
