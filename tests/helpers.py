@@ -372,3 +372,20 @@ def seed_for(mode: str, seed: int) -> int:
   """``seed`` where ``mode`` draws bits (stochastic rounding), else 0: a seed other than 0
   warns that it has no effect under the other modes."""
   return seed if mode == "stochastic" else 0
+
+
+def train_with_nnx_optimizer(model, tx, inputs, targets, steps: int):
+  """``steps`` jitted steps of ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` on the mean
+  squared error of ``model(inputs)`` against ``targets``; returns the optimizer."""
+  from flax import nnx  # the flax extra: only the tests that have it call this
+
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    grads = nnx.grad(lambda model: jnp.mean((model(inputs) - targets) ** 2))(model)
+    optimizer.update(model, grads)
+
+  for _ in range(steps):
+    train_step(model, optimizer)
+  return optimizer

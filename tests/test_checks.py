@@ -307,10 +307,16 @@ def test_a_kahan_state_is_refused_by_an_optimizer_without_kahan():
       osf.safefactor(0.1, param_rounding=rounding).update(params, state, params)
 
 
-def test_a_kahan_state_made_for_wider_params_names_the_param():
+@pytest.mark.parametrize("make", [
+    lambda: osf.safefactor(0.1, param_rounding="kahan"),
+    # with_param_rounding's failed inside the write-back with AttributeError: 'NoneType'
+    # object has no attribute 'astype' (a state made before the params were cast).
+    lambda: osf.with_param_rounding(optax.sgd(1e-3), "kahan"),
+], ids=["safefactor", "with_param_rounding"])
+def test_a_kahan_state_made_for_wider_params_names_the_param(make):
   wide = {"w": jnp.ones((130, 130)), "b": jnp.ones((130,))}
   narrow = {"w": jnp.ones((130, 130), jnp.bfloat16), "b": jnp.ones((130,))}
-  tx = osf.safefactor(0.1, param_rounding="kahan")
+  tx = make()
   with pytest.raises(ValueError, match=r"params\['w'\]: the optimizer state holds no Kahan "
                                        r"compensation for this bfloat16 param"):
     tx.update(narrow, tx.init(wide), narrow)

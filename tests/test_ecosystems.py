@@ -32,6 +32,7 @@ from tests.helpers import (
     assert_trees_bitwise_equal,
     assert_trees_close,
     run_steps,
+    train_with_nnx_optimizer,
     trained_by_plain_loop,
 )
 
@@ -284,15 +285,7 @@ def test_nnx_optimizer_equals_the_plain_loop(name):
   inputs, targets = _data()
   model = _NnxModel(nnx.Rngs(0))
   graphdef, start = nnx.split(_NnxModel(nnx.Rngs(0)), nnx.Param)  # the same init, untrained
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def train_step(model, optimizer):
-    grads = nnx.grad(lambda model: jnp.mean((model(inputs) - targets) ** 2))(model)
-    optimizer.update(model, grads)
-
-  for _ in range(steps):
-    train_step(model, optimizer)
+  train_with_nnx_optimizer(model, tx, inputs, targets, steps)
 
   def loss(params):
     return jnp.mean((nnx.merge(graphdef, params)(inputs) - targets) ** 2)

@@ -12,7 +12,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
-from tests.helpers import TRANSFORMATIONS, compilations, trained_by_plain_loop
+from tests.helpers import (
+    TRANSFORMATIONS,
+    compilations,
+    train_with_nnx_optimizer,
+    trained_by_plain_loop,
+)
 
 
 class MLP(nnx.Module):
@@ -183,17 +188,7 @@ def _small_data():
 
 
 def _train_small(model, tx, steps):
-  inputs, targets = _small_data()
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def train_step(model, optimizer):
-    grads = nnx.grad(lambda model: jnp.mean((model(inputs) - targets) ** 2))(model)
-    optimizer.update(model, grads)
-
-  for _ in range(steps):
-    train_step(model, optimizer)
-  return optimizer
+  return train_with_nnx_optimizer(model, tx, *_small_data(), steps)
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
