@@ -195,3 +195,14 @@ def test_safefactor_names_a_guard_state_around_another_transformation():
                                       r"AdafactorState from this optimizer's init, got one "
                                       r"around a tuple"):
     osf.safefactor(1e-3).update(params, state, params)
+
+
+def test_skip_nonfinite_names_grads_of_other_params_than_its_states():
+  # The wrapped transformation failed first, with JAX's "pytree structure error: different
+  # numbers of pytree children".
+  tx = osf.skip_nonfinite(optax.sgd(0.1, momentum=0.9))
+  state = tx.init({"w": jnp.ones(3)})
+  more = {"w": jnp.ones(3), "b": jnp.ones(2)}
+  with pytest.raises(ValueError, match=r"grads do not match the optimizer state: in grads but "
+                                       r"not in the optimizer state: params\['b'\]"):
+    tx.update(more, state, more)

@@ -343,6 +343,13 @@ def skip_nonfinite(
     checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
     checks.check_update_inputs(updates, params, any_dtype=True)
     checks.check_counters(state, COUNTER_FIELDS)
+    # The counters name init's params: grads of other leaves failed in the wrapped
+    # transformation with JAX's bare structure error. (Leaves, not whole structures: a
+    # param optax.masked leaves out is boxed in init's tree under nnx, bare in grads.)
+    counted = state.nonfinite_steps.treedef
+    if counted.num_leaves != len(jax.tree.leaves(updates)):
+      checks.check_same_structure(updates, counted.unflatten([0] * counted.num_leaves),
+                                  "the optimizer state")
     check_spike_state(state, skip_spikes, spike_window)
     loss = spikes.loss_given(extra_args) if skip_spikes is not None else None
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
