@@ -26,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
+from tests.flax_models import SmallMLP
 from tests.helpers import (
     ECOSYSTEMS,
     TRANSFORMATIONS,
@@ -258,15 +259,6 @@ def test_mesh_steps_equal_one_device_steps_and_keep_the_state_shardings(name):
   assert_trees_close(jax.tree.map(np.asarray, sharded), one_device, rtol=1e-5)
 
 
-class _NnxModel(nnx.Module):
-  def __init__(self, rngs):
-    self.up = nnx.Linear(16, 32, rngs=rngs)
-    self.down = nnx.Linear(32, 8, rngs=rngs)
-
-  def __call__(self, x):
-    return self.down(jax.nn.relu(self.up(x)))
-
-
 class _LinenModel(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -283,8 +275,8 @@ def test_nnx_optimizer_equals_the_plain_loop(name):
   subject = TRANSFORMATIONS[name]
   tx, steps = subject.build(), _steps(subject)
   inputs, targets = _data()
-  model = _NnxModel(nnx.Rngs(0))
-  graphdef, start = nnx.split(_NnxModel(nnx.Rngs(0)), nnx.Param)  # the same init, untrained
+  model = SmallMLP(nnx.Rngs(0))
+  graphdef, start = nnx.split(SmallMLP(nnx.Rngs(0)), nnx.Param)  # the same init, untrained
   train_with_nnx_optimizer(model, tx, inputs, targets, steps)
 
   def loss(params):

@@ -12,6 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
+from tests.flax_models import SmallMLP
 from tests.helpers import (
     TRANSFORMATIONS,
     compilations,
@@ -173,15 +174,6 @@ LEAVING_OUT = {
 }
 
 
-class _SmallMLP(nnx.Module):
-  def __init__(self, rngs):
-    self.up = nnx.Linear(16, 32, rngs=rngs)
-    self.down = nnx.Linear(32, 8, rngs=rngs)
-
-  def __call__(self, x):
-    return self.down(jax.nn.relu(self.up(x)))
-
-
 def _small_data():
   return (jax.random.normal(jax.random.key(1), (8, 16)),
           jax.random.normal(jax.random.key(2), (8, 8)))
@@ -199,8 +191,8 @@ def test_params_left_out_by_optax_keep_no_state_and_the_rest_trains_as_in_the_pl
   subject = TRANSFORMATIONS[name]
   tx = LEAVING_OUT[leaving_out](subject.build())
   steps = 6 * subject.every_k
-  model = _SmallMLP(nnx.Rngs(0))
-  graphdef, start = nnx.split(_SmallMLP(nnx.Rngs(0)), nnx.Param)
+  model = SmallMLP(nnx.Rngs(0))
+  graphdef, start = nnx.split(SmallMLP(nnx.Rngs(0)), nnx.Param)
   optimizer = _train_small(model, tx, steps)
   start = nnx.to_pure_dict(start)
   # As many state arrays as optax keeps for the pure dict: none for the biases.
@@ -217,8 +209,8 @@ def test_params_left_out_by_optax_keep_no_state_and_the_rest_trains_as_in_the_pl
 
 def test_params_frozen_by_multi_transform_leave_the_kernels_trained_as_alone():
   tx = osf.safefactor(0.1, momentum=0.9, weight_decay_rate=1e-4)
-  model = _SmallMLP(nnx.Rngs(0))
-  graphdef, start = nnx.split(_SmallMLP(nnx.Rngs(0)), nnx.Param)
+  model = SmallMLP(nnx.Rngs(0))
+  graphdef, start = nnx.split(SmallMLP(nnx.Rngs(0)), nnx.Param)
   _train_small(model, LEAVING_OUT["multi_transform"](tx), 5)
   start, trained = nnx.to_pure_dict(start), nnx.to_pure_dict(nnx.state(model, nnx.Param))
   inputs, targets = _small_data()
