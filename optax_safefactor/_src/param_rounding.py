@@ -178,9 +178,7 @@ def with_param_rounding(
       flat_params, params_def = jax.tree_util.tree_flatten_with_path(params)
       for (path, param), compensation in zip(
           flat_params, params_def.flatten_up_to(state.compensation), strict=True):
-        # A wide param's None may come in a flax box of its own, which holds no leaf.
-        checks.check_leaf_compensation(path, param,
-                                       compensation if jax.tree.leaves(compensation) else None)
+        checks.check_leaf_compensation(path, param, compensation)
     inner_updates, inner_state = inner.update(
         _widen(updates), state.inner_state, None if params is None else _widen(params),
         **extra_args,

@@ -127,14 +127,20 @@ def _value_of(x: Any) -> Any:
   return x
 
 
+def _any_box(x: Any) -> bool:
+  """A box, empty or not: what :func:`through_boxes` takes off and puts back (a state's
+  ``None`` for a wide param comes boxed too)."""
+  return _is_nnx_variable(x) or _is_linen_box(x)
+
+
 def _unboxed(tree: Any) -> Any:
-  return jax.tree.map(_value_of, tree, is_leaf=is_box)
+  return jax.tree.map(_value_of, tree, is_leaf=_any_box)
 
 
 def _boxed_like(boxes: Any, values: Any) -> Any:
   """``values``, a tree of ``boxes``' structure unboxed, in ``boxes``' boxes."""
-  return jax.tree.map(lambda box, value: box.replace(value=value) if is_box(box) else value,
-                      boxes, values, is_leaf=is_box)
+  return jax.tree.map(lambda box, value: box.replace(value=value) if _any_box(box) else value,
+                      boxes, values, is_leaf=_any_box)
 
 
 def through_boxes(update_fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
