@@ -439,6 +439,13 @@ def check_transformation(inner: Any, wrapper: str, name: str = "inner") -> None:
   raise TypeError(f"{expected}, got a {type(inner).__name__} ({inner!r})")
 
 
+def check_switch(value: Any, name: str) -> None:
+  """``value`` must be ``True`` or ``False``: a string such as ``"no"`` from a config file
+  would otherwise read as True, and 0 or 1 is a count, not a switch."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_positive_int(value: Any, name: str, *, none_ok: bool = False, meaning: str = "") -> None:
   """``value`` must be an int of at least 1 (or ``None`` when ``none_ok``): else ``ValueError``.
 

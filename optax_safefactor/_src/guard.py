@@ -320,9 +320,7 @@ def skip_nonfinite(
   """
   checks.check_transformation(inner, "skip_nonfinite")
   spikes.check_settings(skip_spikes, spike_window)
-  if not isinstance(checked, (bool, np.bool_)):
-    # A string such as "no" from a config file would otherwise read as True.
-    raise TypeError(f"checked must be True or False, got {checked!r}")
+  checks.check_switch(checked, "checked")
   unused = spikes.unused_window(skip_spikes, spike_window)
   if unused:
     warnings.warn(unused, UserWarning, stacklevel=2)

@@ -216,10 +216,7 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
                             none_ok=True)
   spikes.check_settings(hyperparams.skip_spikes, hyperparams.spike_window)
   for field in _SWITCHES:
-    # A string such as "no" from a config file would otherwise read as True.
-    value = getattr(hyperparams, field)
-    if not isinstance(value, (bool, np.bool_)):
-      raise TypeError(f"{names.get(field, field)} must be True or False, got {value!r}")
+    checks.check_switch(getattr(hyperparams, field), names.get(field, field))
   _check_each_setting_is_used(hyperparams, names)
   return hyperparams
 
