@@ -22,8 +22,10 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Worker scripts run in subprocesses by test_multihost.py and test_crash_resume.py;
-# importing them here would reconfigure JAX's devices or kill the test process.
-collect_ignore = ["multihost_worker.py", "crash_worker.py"]
+# importing them here would reconfigure JAX's devices or kill the test process. The Flax
+# model module holds no tests or doctests and imports flax, which the runs on the version
+# floors of the core dependencies do not install.
+collect_ignore = ["multihost_worker.py", "crash_worker.py", "flax_models.py"]
 
 settings.register_profile(
     "default",

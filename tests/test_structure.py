@@ -202,3 +202,29 @@ def test_one_leaf_goes_down_the_layers_once():
   assert switches <= 40, switches
   assert not mutual
   assert "packing.py" not in modules
+
+
+def test_test_support_modules_import_only_what_every_test_run_installs():
+  # --doctest-modules imports every module under tests/ that conftest.py does not ignore, in
+  # every run, the core floors' too (no flax, orbax or demo tools there): a support module
+  # that imported flax at the top failed that run's collection.
+  tests_dir = pathlib.Path(__file__).parent
+  ignored = next(
+      ast.literal_eval(node.value)
+      for node in ast.parse((tests_dir / "conftest.py").read_text()).body
+      if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "collect_ignore")
+  installed_everywhere = {
+      "jax", "jaxlib", "numpy", "optax", "chex", "ml_dtypes", "optax_safefactor",
+      "pytest", "hypothesis", "scipy", "tests"} | set(sys.stdlib_module_names)
+  for path in sorted(tests_dir.glob("*.py")):
+    if path.name.startswith("test_") or path.name in ignored:
+      continue
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.Import):
+        roots = [alias.name.split(".")[0] for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        roots = [node.module.split(".")[0]]
+      else:
+        continue
+      for root in roots:
+        assert root in installed_everywhere, (path.name, root)
