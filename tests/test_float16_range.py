@@ -9,6 +9,7 @@ has already passed it: Inf params on the next ``apply_updates``, with nothing sk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optax_safefactor as osf
@@ -98,3 +99,20 @@ def test_an_infinite_update_stays_infinite_in_every_mode(mode, dtype):
   # With the guard on the same step is skipped: zero updates, in every mode.
   guarded, _ = _write_back_of(mode, dtype, lambda count: jnp.inf, guard=True)
   np.testing.assert_array_equal(guarded, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
+def test_a_param_at_the_float16_maximum_pushed_further(mode):
+  # The documented difference between the modes at the range's edge (safefactor's
+  # param_rounding): the update itself is finite in every mode, but "nearest" leaves the
+  # sum to optax.apply_updates, which adds in float16 and overflows to Inf as it does for
+  # any optax transformation; the two landing modes land the param on 65504.
+  params = {"w": jnp.full((4, 3), FLOAT16_MAX, jnp.float16)}
+  grads = {"w": jnp.full((4, 3), -1.0, jnp.float16)}
+  tx = osf.safefactor(1.0, param_rounding=mode)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert np.isfinite(np.asarray(updates["w"], np.float32)).all()
+  landed = np.asarray(optax.apply_updates(params, updates)["w"], np.float32)
+  expected = np.inf if mode == "nearest" else FLOAT16_MAX
+  np.testing.assert_array_equal(landed, np.full((4, 3), expected, np.float32))
+  assert int(osf.skipped_steps(state)) == 0

@@ -126,12 +126,15 @@ def safefactor(
       ``skip_nonfinite_steps``.
     param_rounding: how the update lands on params narrower than float32 (bfloat16,
       float16): ``"nearest"`` rounds the update to the param dtype (optax's behaviour:
-      updates below half an ulp of the param are lost); ``"stochastic"`` lands the
+      updates below half an ulp of the param are lost, and ``optax.apply_updates``
+      adds in the param dtype, so a param pushed past the dtype's largest value, such as
+      float16's 65504, becomes Inf); ``"stochastic"`` lands the
       param on ``param + update`` rounded stochastically (unbiased, no extra state),
       and also stores narrow momentum and statistics (``dtype_momentum`` or
       ``state_dtype`` ``"bfloat16"``) that way;
       ``"kahan"`` rounds to nearest and keeps the rounding error in a compensation
-      buffer of the param's dtype, added to the next update. The two rounding modes
+      buffer of the param's dtype, added to the next update. Both landing modes land a
+      param pushed past the largest value on that value. The two rounding modes
       need a ``learning_rate``: the rounded update must be the final one.
     rounding_seed: an int keying ``"stochastic"``'s random bits, together with the
       step, the param's path and each element's index (so the bits are the same on
