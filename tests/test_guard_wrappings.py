@@ -147,3 +147,41 @@ def test_a_guard_around_a_spike_guard_applies_the_steps_the_inner_guard_applies(
   assert int(osf.skipped_steps(bare_state)) == 1
   assert int(osf.skipped_steps(wrapped_state)) == 1
   assert not jnp.allclose(wrapped["w"], params["w"])
+
+
+def _lookahead_run(tx, grads):
+  params = optax.LookaheadParams.init_synced({"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)})
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  # optax.lookahead mixes Python floats with its bool sync flag: standard promotion.
+  with jax.numpy_dtype_promotion("standard"):
+    for grad in grads:
+      updates, state = step(grad, state, params)
+      params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def test_a_guard_around_lookahead_skips_the_whole_step_sync_included():
+  # optax.lookahead takes the fast params' grads, not grads shaped like its LookaheadParams:
+  # skip_nonfinite refused it for that. Around it, a poisoned step is skipped whole: the
+  # fast step and the slow params' sync (every 2nd step: step 4 syncs) are both left out.
+  def lookahead():
+    return optax.lookahead(optax.sgd(0.05, momentum=0.9), sync_period=2, slow_step_size=0.5)
+
+  base = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+  finite = [{"w": jnp.cos(base * (step + 1))} for step in range(6)]
+  poisoned = [*finite[:3], {"w": base.at[1, 2].set(jnp.nan)}, *finite[3:]]
+  expected, _ = _lookahead_run(lookahead(), finite)
+  guarded, state = _lookahead_run(osf.skip_nonfinite(lookahead()), poisoned)
+  assert_trees_close(guarded, expected, rtol=0)
+  assert int(osf.skipped_steps(state)) == 1
+  assert osf.nonfinite_report(state)["nonfinite_steps/params.fast['w']"] == 1
+  assert not jnp.allclose(expected.slow["w"], base)  # the run did sync
+
+
+def test_lookahead_grads_are_refused_where_they_cannot_be_judged():
+  tx = osf.skip_nonfinite(optax.lookahead(optax.sgd(0.05), 2, 0.5), skip_spikes=6.0)
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones((4, 3))})
+  with pytest.raises(ValueError, match=r"grads do not match params: missing from grads: "
+                                       r"params.fast\['w'\].*skip_spikes names a spike"):
+    tx.update({"w": jnp.ones((4, 3))}, tx.init(params), params)

@@ -206,3 +206,16 @@ def test_skip_nonfinite_names_grads_of_other_params_than_its_states():
   with pytest.raises(ValueError, match=r"grads do not match the optimizer state: in grads but "
                                        r"not in the optimizer state: params\['b'\]"):
     tx.update(more, state, more)
+
+
+def test_skip_nonfinite_names_grads_of_other_leaves_than_the_params():
+  # Grads that do not match the params go to the wrapped transformation (optax.lookahead
+  # takes such grads); one that refuses them, or returns updates not shaped like the
+  # params, gets the grads' error, with what it raised or returned as the cause.
+  params = {"w": jnp.ones(3), "b": jnp.ones(2)}
+  for inner in (optax.sgd(0.1, momentum=0.9), optax.sgd(0.1)):
+    tx = osf.skip_nonfinite(inner)
+    with pytest.raises(ValueError, match=r"grads do not match params: missing from grads: "
+                                         r"params\['b'\]$") as caught:
+      tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+    assert caught.value.__cause__ is not None

@@ -332,16 +332,18 @@ def check_init_params(params: Any, *, any_dtype: bool = False) -> None:
   )
 
 
-def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = False) -> None:
+def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = False,
+                        name: str = "grads") -> None:
   """Static checks of ``update``'s grads (and params), naming the parameter path.
 
   ``any_dtype`` (for wrappers of any optax transformation) checks that every leaf is
   an array and that shapes agree, and leaves dtypes to the wrapped transformation.
+  ``name`` is what the user knows ``grads`` as, in the structure error.
   """
   jax.tree_util.tree_map_with_path(
       partial(check_param_leaf, what="grad", any_dtype=any_dtype), grads)
   if params is not None:
-    check_same_structure(grads, params, "params")
+    check_same_structure(grads, params, "params", name=name)
     jax.tree_util.tree_map_with_path(
         partial(check_grad_matches_param, any_dtype=any_dtype),
         grads, params)

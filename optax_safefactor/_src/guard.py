@@ -232,6 +232,29 @@ def _without_spike_histories(state: Any) -> Any:
   return jax.tree.map(lambda x: None if is_history(x) else x, state, is_leaf=is_history)
 
 
+def _grads_error(grads: Any, params: Any | None, counted: Any) -> ValueError | None:
+  """The error for grads whose leaves are not the params', or ``None`` when they are.
+
+  Raised when the wrapped transformation refuses such grads (in its place, JAX's bare
+  structure error) or when spike skipping, which names a spike by the param whose
+  gradient is largest, needs the grads' leaves to be the params'. Leaves that are not
+  arrays and grads that differ from their params in shape are refused at once.
+  """
+  checks.check_update_inputs(grads, None, any_dtype=True)
+  if params is not None:
+    try:
+      checks.check_same_structure(grads, params, "params")
+    except ValueError as error:
+      return error
+    checks.check_update_inputs(grads, params, any_dtype=True)
+  # The counters name init's params. (Leaves, not whole structures: a param optax.masked
+  # leaves out is boxed in init's tree under nnx, bare in grads.)
+  if counted.num_leaves != len(jax.tree.leaves(grads)):
+    checks.check_same_structure(grads, counted.unflatten([0] * counted.num_leaves),
+                                "the optimizer state")
+  return None
+
+
 def _square_sums(grads: Any) -> jax.Array:
   """Per leaf, the sum of ``|g|**2`` in float32 (0 for a leaf that is not floating)."""
 
@@ -278,7 +301,9 @@ def skip_nonfinite(
     (Array([0., 0., 0.], dtype=float32), 1)
 
   Args:
-    inner: any optax transformation.
+    inner: any optax transformation, one whose grads are not shaped like its params
+      included (``optax.lookahead`` takes the fast params' grads) as long as its
+      updates are: the counters count the params' leaves.
     max_consecutive: if given, the step that makes this many consecutive skips
       raises :class:`NonFiniteStepsError` naming the non-finite leaves, so
       persistently broken training stops instead of idling. Called eagerly, ``update``
@@ -316,7 +341,9 @@ def skip_nonfinite(
       when a param or grad leaf is not an array; in ``update``, when the state is not
       this transformation's.
     ValueError: when ``max_consecutive`` is not a positive int or ``None``; in
-      ``update``, when grads and params differ in structure or in a leaf's shape.
+      ``update``, when grads and params differ in a leaf's shape, or in structure where
+      ``inner`` refuses such grads, returns updates not shaped like the params, or
+      spikes are skipped.
   """
   checks.check_transformation(inner, "skip_nonfinite")
   spikes.check_settings(skip_spikes, spike_window)
@@ -339,18 +366,28 @@ def skip_nonfinite(
 
   def update_fn(updates, state, params=None, **extra_args):
     checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
-    checks.check_update_inputs(updates, params, any_dtype=True)
     checks.check_counters(state, COUNTER_FIELDS)
-    # The counters name init's params: grads of other leaves failed in the wrapped
-    # transformation with JAX's bare structure error. (Leaves, not whole structures: a
-    # param optax.masked leaves out is boxed in init's tree under nnx, bare in grads.)
-    counted = state.nonfinite_steps.treedef
-    if counted.num_leaves != len(jax.tree.leaves(updates)):
-      checks.check_same_structure(updates, counted.unflatten([0] * counted.num_leaves),
-                                  "the optimizer state")
     check_spike_state(state, skip_spikes, spike_window)
+    grads_error = _grads_error(updates, params, state.nonfinite_steps.treedef)
+    if grads_error is not None and skip_spikes is not None:
+      raise ValueError(f"{grads_error}; skip_spikes names a spike by the param whose gradient "
+                       "is largest, so it needs grads shaped like the params")
     loss = spikes.loss_given(extra_args) if skip_spikes is not None else None
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    try:
+      new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    except Exception as error:
+      if grads_error is None:
+        raise
+      raise grads_error from error
+    if grads_error is not None:
+      # Grads of other leaves than the params', which the wrapped transformation takes
+      # (optax.lookahead takes the fast params' grads): what it returns must still be
+      # shaped like the params, whose leaves the counters count.
+      try:
+        checks.check_update_inputs(new_updates, params, any_dtype=True,
+                                   name="the wrapped transformation's updates")
+      except ValueError as error:
+        raise grads_error from error
     leaf_finite = _leaf_finite_from_outputs(new_updates, _without_spike_histories(new_inner))
     # The values optax.inject_hyperparams used this step, kept in the new inner state.
     hyperparams = injected_hyperparams(new_inner).values()
