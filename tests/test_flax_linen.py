@@ -204,3 +204,22 @@ def test_a_boxed_param_left_out_by_multi_transform_keeps_no_state():
   assert len(jax.tree.leaves(boxed.opt_state)) == len(jax.tree.leaves(unboxed.opt_state))
   assert_trees_bitwise_equal(nn.meta.unbox(boxed.params)["bias"],
                              nn.meta.unbox(_dense_state(tx, jnp.float32, True).params)["bias"])
+
+
+def test_a_boxed_optax_job_migrates_and_goes_on_as_the_unboxed_one():
+  # migrate_from_optax read the boxed params' shapes off the boxes: an AttributeError.
+  boxed, unboxed = (_dense_state(optax.adafactor(1e-2), jnp.float32, b) for b in (True, False))
+  for _ in range(3):
+    boxed, unboxed = (_dense_step(state, False) for state in (boxed, unboxed))
+  tx = osf.safefactor(1e-2)
+  migrated = osf.migrate_from_optax(boxed.opt_state, tx, boxed.params)
+  reference = osf.migrate_from_optax(unboxed.opt_state, tx, unboxed.params)
+  # Boxed as init boxes the state, holding what the unboxed migration holds.
+  assert jax.tree.structure(migrated) == jax.tree.structure(tx.init(boxed.params))
+  assert_trees_bitwise_equal(nn.meta.unbox(migrated), reference)
+  boxed = boxed.replace(tx=tx, opt_state=migrated)
+  unboxed = unboxed.replace(tx=tx, opt_state=reference)
+  for _ in range(3):
+    boxed, unboxed = (_dense_step(state, False) for state in (boxed, unboxed))
+  assert_trees_bitwise_equal(nn.meta.unbox(boxed.params), unboxed.params)
+  assert int(boxed.opt_state.inner_state.count) == 6

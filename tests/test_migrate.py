@@ -6,7 +6,13 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from tests.helpers import max_relative_error, random_tree, run_steps, tree_all_finite
+from tests.helpers import (
+    assert_trees_close,
+    max_relative_error,
+    random_tree,
+    run_steps,
+    tree_all_finite,
+)
 
 SHAPES = {"tall": (300, 140), "wide": (140, 300), "stacked": (3, 130, 150), "bias": (150,)}
 
@@ -142,3 +148,108 @@ def test_a_factored_axis_of_size_one_is_refused_by_name(shape):
   optax_state = optax.adafactor(0.1, min_dim_size_to_factor=1).init(params)
   with pytest.raises(ValueError, match=r"params\['w'\]: optax and safefactor factor"):
     osf.migrate_from_optax(optax_state, osf.safefactor(0.1, min_dim_size_to_factor=1), params)
+
+
+# --- the step counts of the wrappers around it ---------------------------------------------
+# migrate_from_optax converted the Adafactor state and left every wrapper's state as init
+# made it: a schedule under inject_hyperparams or scale_by_schedule started its warm-up again,
+# and a learning rate set by hand in inject_hyperparams' state went back to its first value.
+
+SCHEDULE = optax.linear_schedule(0.0, 0.05, 12)
+
+
+def test_a_schedule_injected_goes_on_from_the_optax_step(rng):
+  optax_tx = optax.inject_hyperparams(optax.adafactor, static_args=("min_dim_size_to_factor",))(
+      learning_rate=SCHEDULE)
+  safe_tx = optax.inject_hyperparams(
+      osf.safefactor, static_args=("min_dim_size_to_factor", "spike_window"))(
+          learning_rate=SCHEDULE)
+  state = _continue(optax_tx, safe_tx, 5, 4, rng)
+  assert int(state.count) == 9
+
+
+def test_a_scale_by_schedule_goes_on_from_the_optax_step(rng):
+  optax_tx = optax.chain(optax.scale_by_factored_rms(), optax.scale_by_schedule(SCHEDULE))
+  safe_tx = optax.chain(osf.scale_by_safe_factored_rms(), optax.scale_by_schedule(SCHEDULE))
+  state = _continue(optax_tx, safe_tx, 5, 4, rng)
+  assert int(state[1].count) == 9
+
+
+def test_a_learning_rate_set_by_hand_stays_set():
+  params = {"w": jnp.ones((300, 140))}
+  optax_state = optax.inject_hyperparams(optax.adafactor)(learning_rate=0.05).init(params)
+  optax_state.hyperparams["learning_rate"] = jnp.asarray(0.002)
+  tx = optax.inject_hyperparams(
+      osf.safefactor, static_args=("min_dim_size_to_factor", "spike_window"))(learning_rate=0.05)
+  state = osf.migrate_from_optax(optax_state, tx, params)
+  assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.002)
+  assert float(state.hyperparams["decay_rate"]) == pytest.approx(0.8)  # optax's, and ours
+
+
+def test_multi_steps_optimizer_steps_become_the_applied_steps():
+  params = {"w": jnp.ones((300, 140))}
+  grads = {"w": jnp.full((300, 140), 0.1)}
+  multi = optax.MultiSteps(optax.adafactor(0.05), every_k_schedule=2)
+  tx = osf.accumulate_gradients(osf.safefactor(0.05), every_k=2)
+  with jax.numpy_dtype_promotion("standard"):
+    _, optax_state, _ = run_steps(multi, params, [grads] * 6, apply_updates=False)
+    _, mid_group, _ = run_steps(multi, params, [grads] * 7, apply_updates=False)
+  state = osf.migrate_from_optax(optax_state, tx, params)
+  assert int(state.applied_steps) == 3
+  assert int(osf.skipped_steps(state)) == 0
+  # A micro-batch accumulated since the last step is not carried, and the warning says so.
+  with pytest.warns(UserWarning, match="holds 1 micro-batches accumulated since its last "
+                                       "optimizer step"):
+    osf.migrate_from_optax(mid_group, tx, params)
+
+
+@pytest.mark.parametrize("rules", [("row", "column"), ("column", "row")])
+def test_factor_rules_on_a_square_param_are_checked_by_axis(rules):
+  # A square param's statistics have the same shapes whichever way it is factored: the
+  # shape check let optax's row means in as safefactor's column means, transposed.
+  params = {"w": jnp.ones((128, 128))}
+  grads = {"w": jnp.outer(jnp.arange(1.0, 129.0), jnp.ones(128))}
+  optax_tx = optax.adafactor(1e-2)
+  _, optax_state = optax_tx.update(grads, optax_tx.init(params), params)
+  tx = osf.safefactor(1e-2, factor_rules=lambda path, shape: rules)
+  plain = osf.migrate_from_optax(optax_state, osf.safefactor(1e-2), params)
+  if rules == ("row", "column"):  # optax's way round: the same state as without rules
+    state = osf.migrate_from_optax(optax_state, tx, params)
+    assert_trees_close(state.inner_state, plain.inner_state, rtol=0)
+    return
+  with pytest.raises(ValueError, match=r"params\['w'\]: optax and safefactor factor this param "
+                                       r"differently \(optax's statistics have shape \(128,\) "
+                                       r"and \(128,\), the param \(128, 128\)\)"):
+    osf.migrate_from_optax(optax_state, tx, params)
+
+
+@pytest.mark.parametrize("wrap", ["masked", "multi_transform"])
+def test_a_state_of_part_of_the_params_is_refused_as_such(wrap):
+  # Refused before: as params that did not match the statistics, which blamed the params.
+  params = {"kernel": jnp.ones((256, 128)), "bias": jnp.zeros(128)}
+  labels = {"kernel": "a", "bias": "b"}
+  if wrap == "masked":
+    old = optax.masked(optax.adafactor(1e-3), {"kernel": True, "bias": False})
+    new = optax.masked(osf.safefactor(1e-3), {"kernel": True, "bias": False})
+  else:
+    old = optax.multi_transform({"a": optax.adafactor(1e-3), "b": optax.adafactor(1e-2)}, labels)
+    new = optax.multi_transform({"a": osf.safefactor(1e-3), "b": osf.safefactor(1e-2)}, labels)
+  with pytest.raises(ValueError, match=r"^optax_state holds optax.adafactor's statistics inside "
+                                       r"optax.masked .*not the states of optax.masked or "
+                                       r"optax.multi_transform$"):
+    osf.migrate_from_optax(old.init(params), new, params)
+
+
+def test_several_adafactor_states_are_refused():
+  params = {"w": jnp.ones((256, 128))}
+  old = optax.chain(optax.scale_by_factored_rms(), optax.scale_by_factored_rms())
+  with pytest.raises(ValueError, match=r"^optax_state holds 2 optax.FactoredState: "):
+    osf.migrate_from_optax(old.init(params), osf.safefactor(1e-3), params)
+
+
+def test_a_resized_param_is_named_with_both_shapes():
+  params = {"kernel": jnp.ones((256, 128)), "bias": jnp.zeros(128)}
+  state = optax.adafactor(1e-3).init(params)
+  with pytest.raises(ValueError, match=r"params\['bias'\]: .*optax's statistics have shape "
+                                       r"\(128,\), the param \(130,\)\).*pass the params"):
+    osf.migrate_from_optax(state, osf.safefactor(1e-3), {**params, "bias": jnp.zeros(130)})

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from optax_safefactor._src import checks
+from optax_safefactor._src import checks, placement
+from optax_safefactor._src.accumulate import AccumulationState
 from optax_safefactor._src.kernel import FactoredMoment, FullMoment, is_moment
 from optax_safefactor._src.plan import plan_from_stat_shapes
 from optax_safefactor._src.transform import AdafactorState
@@ -32,10 +35,23 @@ _PARAMS_HINT = ("; pass the params the optax job was training when its state was
                 "(same leaves, same tree)")
 
 
+def _optax_factored_axes(shape: tuple[int, ...]) -> tuple[int, int]:
+  """The axes optax.adafactor reduces a factored param's row and column statistics over:
+  its largest and its second largest, in the order ``np.argsort`` gives them (of two
+  equal axes, the later counts as the larger), as optax sorts them."""
+  second, largest = np.argsort(shape)[-2:]
+  return int(largest), int(second)
+
+
 def _convert_moment(path, target, optax_row, optax_col, optax_full, param):
+  optax_shapes = (f"{tuple(np.shape(optax_full))}" if np.ndim(optax_row) == 1
+                  and np.size(optax_row) == 1 else
+                  f"{tuple(np.shape(optax_row))} and {tuple(np.shape(optax_col))}")
   mismatch = ValueError(
-      f"{checks.path_name(path)}: optax and safefactor factor this param differently; build "
-      "safefactor with the same factored and min_dim_size_to_factor"
+      f"{checks.path_name(path)}: optax and safefactor factor this param differently (optax's "
+      f"statistics have shape {optax_shapes}, the param {tuple(param.shape)}); build "
+      "safefactor with the same factored, min_dim_size_to_factor and factor_rules, and pass "
+      "the params the optax job was training"
   )
   if isinstance(target, FullMoment):
     if tuple(optax_full.shape) != tuple(param.shape):
@@ -43,6 +59,9 @@ def _convert_moment(path, target, optax_row, optax_col, optax_full, param):
     return FullMoment(_placed_like(optax_full, target.v))
   plan = plan_from_stat_shapes(param.shape, target.v_row.shape, target.v_col.shape)
   if len(plan.col_axes) != 1 or len(plan.row_axes) != 1 or optax_row.ndim != param.ndim - 1:
+    raise mismatch
+  # A square param's statistics have the same shapes either way round: compare the axes.
+  if (plan.col_axes[0], plan.row_axes[0]) != _optax_factored_axes(tuple(param.shape)):
     raise mismatch
   # optax drops the reduced axis; the keepdims state puts it back as size 1.
   row = jnp.expand_dims(jnp.asarray(optax_row), plan.col_axes[0])
@@ -62,6 +81,15 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
   dtype and placed like ``optimizer.init(params)`` places them; skip counters start
   at 0, and state optax has no counterpart for (the Kahan compensation of
   ``param_rounding="kahan"``) starts as ``optimizer.init(params)`` makes it: zeros.
+  Linen's boxed params (``nn.Partitioned``) and states are converted inside their boxes.
+
+  The wrappers both optimizers hold keep their step counts, so their schedules go on:
+  ``optax.inject_hyperparams`` (with the values, and the schedules' counts, of the
+  hyperparameters both name), ``optax.scale_by_schedule``, and ``optax.MultiSteps``,
+  whose optimizer steps become :func:`accumulate_gradients`' applied steps (its
+  micro-batches accumulated since the last optimizer step are not carried: migrate
+  right after a step; a warning says how many are dropped, outside ``jax.jit``). Such
+  states are paired in order, and only where both hold as many of a kind.
 
   Example:
     >>> import jax.numpy as jnp
@@ -87,14 +115,33 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
     A state for ``optimizer``.
 
   Raises:
-    ValueError: naming the param, when the two optimizers factor it differently, or
+    ValueError: naming the param, when the two optimizers factor it differently (its
+      axes compared, so a square param's too, under ``factor_rules``), or
       when momentum is on in one and off in the other; naming the first differing
       path, when ``params`` does not have the tree of ``optax_state``'s statistics;
       when ``optimizer`` holds no safefactor state to receive the statistics; when
       ``optax_state`` holds no ``optax.FactoredState`` (a checkpoint restored without
-      a target: the message says how to build one).
+      a target: the message says how to build one), or several, or one inside
+      ``optax.masked`` (``optax.multi_transform``'s states): one adafactor's state over
+      all the params is converted.
   """
-  factored_state = _find(optax_state, optax.FactoredState)
+  # A Linen job's params and both states come boxed (nn.Partitioned): the statistics are
+  # converted unboxed and put back in the boxes init gives them.
+  boxed_target = optimizer.init(params)
+  params, optax_state, target = map(placement.unboxed_tree,
+                                    (params, optax_state, boxed_target))
+  factored_states = find_all(optax_state, optax.FactoredState)
+  if find_all(optax_state, optax.MaskedState) or len(factored_states) > 1:
+    held = ("optax.adafactor's statistics inside optax.masked (as optax.multi_transform "
+            "holds each of its transformations' state)"
+            if find_all(optax_state, optax.MaskedState) else
+            f"{len(factored_states)} optax.FactoredState")
+    raise ValueError(
+        f"optax_state holds {held}: migrate_from_optax converts the state of one "
+        "optax.adafactor over all the params, not the states of optax.masked or "
+        "optax.multi_transform"
+    )
+  factored_state = factored_states[0] if factored_states else None
   if factored_state is None:
     raise ValueError(
         "no optax FactoredState found in optax_state. A checkpoint restored without a "
@@ -109,7 +156,6 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
   if ema_state is not None:
     checks.check_same_structure(params, ema_state.ema, "optax_state's momentum",
                                 name="params", hint=_PARAMS_HINT)
-  target = optimizer.init(params)
   if not find_all(target, AdafactorState):
     # Returning ``target`` would silently throw the optax statistics away.
     raise ValueError(
@@ -146,5 +192,69 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
     return node._replace(count=count, second_moment=convert_moments(node.second_moment),
                          momentum=momentum)
 
-  return jax.tree.map(convert, target, is_leaf=is_adafactor_state)
+  migrated = _carry_wrapper_counts(optax_state,
+                                   jax.tree.map(convert, target, is_leaf=is_adafactor_state))
+  return placement.boxed_like(boxed_target, migrated)
+
+
+def _paired(optax_state: Any, target: Any, optax_kind: type, kind: type, carry) -> Any:
+  """``target`` with each ``kind`` node replaced by ``carry(optax_node, node)``, the nodes
+  of the two states paired in order, where both hold as many (else they are left as
+  ``init`` made them: which optax node was which is not known)."""
+  optax_nodes, nodes = find_all(optax_state, optax_kind), find_all(target, kind)
+  if not nodes or len(optax_nodes) != len(nodes):
+    return target
+  pairs = dict(zip(map(id, nodes), optax_nodes, strict=True))
+
+  def replace(node):
+    return carry(pairs[id(node)], node) if isinstance(node, kind) else node
+
+  return jax.tree.map(replace, target, is_leaf=lambda x: isinstance(x, kind))
+
+
+def _carry_injected(old: Any, node: Any) -> Any:
+  # What optax.adafactor's and safefactor's arguments of the same name held: the value
+  # (one set by hand stays set) and a schedule's own step count.
+  def carried(new_values, old_values):
+    def carry(name, value):
+      if name not in old_values:
+        return value
+      previous = old_values[name]
+      if (jax.tree.structure(previous) != jax.tree.structure(value)
+          or list(map(jnp.shape, jax.tree.leaves(previous)))
+          != list(map(jnp.shape, jax.tree.leaves(value)))):
+        return value
+      return jax.tree.map(_placed_like, previous, value)
+    return {name: carry(name, value) for name, value in new_values.items()}
+
+  node = node._replace(count=_placed_like(old.count, node.count),
+                       hyperparams=carried(node.hyperparams, old.hyperparams))
+  if hasattr(node, "hyperparams_states") and hasattr(old, "hyperparams_states"):
+    node = node._replace(hyperparams_states=carried(node.hyperparams_states,
+                                                    old.hyperparams_states))
+  return node
+
+
+def _carry_multi_steps(old: Any, node: Any) -> Any:
+  if not isinstance(old.mini_step, jax.core.Tracer) and int(old.mini_step) != 0:
+    warnings.warn(
+        f"optax_state's MultiSteps holds {int(old.mini_step)} micro-batches accumulated "
+        "since its last optimizer step, which accumulate_gradients starts again without: "
+        "migrate right after an optimizer step to keep them", UserWarning, stacklevel=4)
+  return node._replace(applied_steps=_placed_like(old.gradient_step, node.applied_steps))
+
+
+def _carry_wrapper_counts(optax_state: Any, target: Any) -> Any:
+  """The step counts of the wrappers both optimizers hold, so that their schedules go
+  on: ``optax.inject_hyperparams``'s (and the hyperparameters both name),
+  ``optax.scale_by_schedule``'s, and ``optax.MultiSteps``' optimizer steps as
+  :func:`accumulate_gradients`' applied steps."""
+  # (inject_hyperparams' state is an InjectStatefulHyperparamsState, its subclass
+  # InjectHyperparamsState in older optax releases.)
+  target = _paired(optax_state, target, optax.InjectStatefulHyperparamsState,
+                   optax.InjectStatefulHyperparamsState, _carry_injected)
+  target = _paired(optax_state, target, optax.ScaleByScheduleState, optax.ScaleByScheduleState,
+                   lambda old, node: node._replace(count=_placed_like(old.count, node.count)))
+  return _paired(optax_state, target, optax.MultiStepsState, AccumulationState,
+                 _carry_multi_steps)
 

@@ -133,11 +133,11 @@ def _any_box(x: Any) -> bool:
   return _is_nnx_variable(x) or _is_linen_box(x)
 
 
-def _unboxed(tree: Any) -> Any:
+def unboxed_tree(tree: Any) -> Any:
   return jax.tree.map(_value_of, tree, is_leaf=_any_box)
 
 
-def _boxed_like(boxes: Any, values: Any) -> Any:
+def boxed_like(boxes: Any, values: Any) -> Any:
   """``values``, a tree of ``boxes``' structure unboxed, in ``boxes``' boxes."""
   return jax.tree.map(lambda box, value: box.replace(value=value) if _any_box(box) else value,
                       boxes, values, is_leaf=_any_box)
@@ -157,9 +157,9 @@ def through_boxes(update_fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tu
     # Two flattenings, no tree rebuilt, when nothing is boxed (nnx.Optimizer unboxes).
     if jax.tree.structure(updates, is_leaf=is_box) == jax.tree.structure(updates):
       return update_fn(updates, state, params, **extra_args)
-    new_updates, new_state = update_fn(_unboxed(updates), _unboxed(state), _unboxed(params),
-                                       **extra_args)
-    return _boxed_like(updates, new_updates), _boxed_like(state, new_state)
+    new_updates, new_state = update_fn(unboxed_tree(updates), unboxed_tree(state),
+                                       unboxed_tree(params), **extra_args)
+    return boxed_like(updates, new_updates), boxed_like(state, new_state)
 
   return update
 
