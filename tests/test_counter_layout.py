@@ -166,3 +166,49 @@ def test_a_guard_that_checks_no_hyperparameter_keeps_none_and_migrates_to_none()
   _, state, _ = run_steps(tx, PARAMS, _grads, STEPS)
   assert state.nonfinite_hyperparams is None and "hyperparam" not in str(
       osf.nonfinite_report(state))
+
+
+UNGUARDED_INSIDE = {
+    "scale_by_safe_factored_rms": lambda: osf.skip_nonfinite(osf.scale_by_safe_factored_rms()),
+    "safefactor_guard_off": lambda: osf.skip_nonfinite(
+        osf.safefactor(0.1, skip_nonfinite_steps=False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNGUARDED_INSIDE))
+def test_a_guard_around_an_unguarded_safefactor_migrates_with_like(name):
+  # Such a guard checks no hyperparameter (None), but its state, SkipNonfiniteState around
+  # an AdafactorState, is also safefactor's own guard's: migrate_from_0_2 gave it
+  # safefactor's counts, which update refused; today's state was not returned as it is.
+  tx = UNGUARDED_INSIDE[name]()
+  fresh = tx.init(PARAMS)
+  assert fresh.nonfinite_hyperparams is None
+  assert osf.migrate_from_0_2(fresh).nonfinite_hyperparams is None  # today's: as it is
+  old = osf.state_in_0_2_layout(fresh)
+  migrated = osf.migrate_from_0_2(old, like=jax.eval_shape(tx.init, PARAMS))
+  assert_trees_bitwise_equal(migrated, fresh)
+  _, state, _ = run_steps(tx, PARAMS, _grads, 3, state=migrated)
+  assert int(osf.skipped_steps(state)) == 1
+  # Without like, taken for safefactor's own guard; update says how to migrate it.
+  with pytest.raises(ValueError, match=r"checks the hyperparameters \['learning_rate'.*but this "
+                                       r"optimizer checks 0.*migrate_from_0_2\(opt_state, "
+                                       r"like=tx.init\(params\)\)"):
+    tx.update(_grads(0), osf.migrate_from_0_2(old), PARAMS)
+
+
+def test_like_gives_each_nested_guard_its_own_layout():
+  tx = osf.skip_nonfinite(optax.chain(
+      osf.safefactor(0.1), osf.skip_nonfinite(osf.scale_by_safe_factored_rms())))
+  fresh = tx.init(PARAMS)
+  migrated = osf.migrate_from_0_2(osf.state_in_0_2_layout(fresh), like=fresh)
+  assert_trees_bitwise_equal(migrated, fresh)
+  with pytest.raises(ValueError, match=r"like holds 1 guards \(SkipNonfiniteState\) and "
+                                       r"opt_state 3"):
+    osf.migrate_from_0_2(osf.state_in_0_2_layout(fresh), like=osf.safefactor(0.1).init(PARAMS))
+
+
+def test_like_keeps_the_counts_of_a_state_in_todays_layout():
+  tx = osf.safefactor(lambda count: jnp.where(count == 0, jnp.nan, 0.1))
+  _, state, _ = run_steps(tx, PARAMS, lambda step: _grads(0), 2)
+  assert int(state.nonfinite_hyperparams.counts[0]) == 2
+  assert_trees_bitwise_equal(osf.migrate_from_0_2(state, like=tx.init(PARAMS)), state)

@@ -23,6 +23,7 @@ from optax_safefactor._src.counters import (
 from optax_safefactor._src.guard import injected_hyperparams
 from optax_safefactor._src.schedules import CHECKED_HYPERPARAMS
 from optax_safefactor._src.transform import AdafactorState
+from optax_safefactor._src.trees import find_all
 
 
 def _is_counters(x: Any) -> bool:
@@ -49,7 +50,8 @@ def _hyperparam_counts(guard: SkipNonfiniteState) -> HyperparamCounts | None:
   """The guard's hyperparameter counts, none seen where 0.2 kept none: safefactor's
   own guard checks its step's hyperparameters, ``skip_nonfinite`` the injected ones
   (``None`` where there are none, as ``init`` makes it)."""
-  if isinstance(guard.nonfinite_hyperparams, HyperparamCounts):
+  if (isinstance(guard.nonfinite_hyperparams, HyperparamCounts)
+      or isinstance(guard.nonfinite_steps, LeafCounts)):  # today's layout, as it is
     return guard.nonfinite_hyperparams
   names = (CHECKED_HYPERPARAMS if isinstance(guard.inner_state, AdafactorState)
            else tuple(injected_hyperparams(guard.inner_state)))
@@ -64,7 +66,25 @@ def _to_tree(counts: Any) -> Any:
   return counts.per_leaf() if isinstance(counts, LeafCounts) else counts
 
 
-def migrate_from_0_2(opt_state: Any) -> Any:
+def _hyperparams_as_in(opt_state: Any, like_guards: Any) -> Any:
+  """``opt_state`` with each guard's hyperparameter counts laid out as the next of
+  ``like_guards``' (the guards in pre-order, as :func:`trees.find_all` gives them)."""
+  def convert(node):
+    if not isinstance(node, SkipNonfiniteState):
+      return node
+    template = next(like_guards).nonfinite_hyperparams
+    node = node._replace(inner_state=_hyperparams_as_in(node.inner_state, like_guards))
+    counts = node.nonfinite_hyperparams
+    if template is None:
+      return node._replace(nonfinite_hyperparams=None)
+    if isinstance(counts, HyperparamCounts) and counts.names == template.names:
+      return node
+    return node._replace(nonfinite_hyperparams=HyperparamCounts.zeros(template.names))
+
+  return jax.tree.map(convert, opt_state, is_leaf=lambda x: isinstance(x, SkipNonfiniteState))
+
+
+def migrate_from_0_2(opt_state: Any, like: Any = None) -> Any:
   """``opt_state`` with the guards' counters of release 0.2 in today's layout.
 
   A 0.2 state keeps each guard's ``nonfinite_steps`` and ``last_nonfinite_step`` as
@@ -75,6 +95,12 @@ def migrate_from_0_2(opt_state: Any) -> Any:
   :func:`accumulate_gradients`). A state already in today's layout is returned as it
   is. To restore a 0.2 checkpoint, restore it into the target
   :func:`state_in_0_2_layout` gives, then migrate the result.
+
+  A 0.2 state does not say whether a guard around an unguarded safefactor state is
+  safefactor's own (which checks its step's hyperparameters) or :func:`skip_nonfinite`
+  around ``safefactor(skip_nonfinite_steps=False)`` or ``scale_by_safe_factored_rms``
+  (which checks only injected ones): it is taken for safefactor's own, unless ``like``
+  is given.
 
   Example:
     >>> import jax.numpy as jnp
@@ -89,11 +115,26 @@ def migrate_from_0_2(opt_state: Any) -> Any:
 
   Args:
     opt_state: an optimizer state, as release 0.2 wrote it or as today's ``init`` makes it.
+    like: optionally, the optimizer's state as today's ``init`` makes it (or its
+      ``jax.eval_shape``, the target the checkpoint was restored into before
+      :func:`state_in_0_2_layout`): each guard's hyperparameter counters take the
+      layout of the guard in the same place in ``like``.
 
   Returns:
     The state, every guard's per-leaf counters as :class:`LeafCounts`.
+
+  Raises:
+    ValueError: when ``like`` holds another number of guards than ``opt_state``.
   """
-  return _convert_counters(opt_state, _to_vector, _hyperparam_counts)
+  migrated = _convert_counters(opt_state, _to_vector, _hyperparam_counts)
+  if like is None:
+    return migrated
+  guards, like_guards = find_all(migrated, SkipNonfiniteState), find_all(like, SkipNonfiniteState)
+  if len(guards) != len(like_guards):
+    raise ValueError(
+        f"like holds {len(like_guards)} guards (SkipNonfiniteState) and opt_state "
+        f"{len(guards)}: pass as like the state of the optimizer opt_state was made by")
+  return _hyperparams_as_in(migrated, iter(like_guards))
 
 
 def state_in_0_2_layout(opt_state: Any) -> Any:

@@ -121,7 +121,8 @@ def _hyperparam_counts(state: SkipNonfiniteState,
     raise ValueError(
         f"the optimizer state checks the hyperparameters {list(counts.names)}, but this "
         f"optimizer checks {finite.shape[0]}: the state was made by an optimizer of another "
-        "configuration; make it with this optimizer's init")
+        "configuration; make it with this optimizer's init (a state of release 0.2 "
+        "migrated without like=: osf.migrate_from_0_2(opt_state, like=tx.init(params)))")
   return counts.counted(finite, state.step)
 
 
