@@ -280,8 +280,10 @@ def test_big_vision_matches_its_restatement(config, dtype):
   params, grads = _problem(dtype)
   schedule = _warmup_cosine if config == "wd_schedule_clip" else None
   mask = extra.get("wd_mask", {})
-  tx = osf.presets.big_vision(1e-2, schedule=schedule, **kwargs,
-                              weight_decay_mask={name: mask.get(name, False) for name in params})
+  # A mask only where something decays (without, the preset warns that it has no effect).
+  masked = ({"weight_decay_mask": {name: mask.get(name, False) for name in params}}
+            if kwargs.get("wd") else {})
+  tx = osf.presets.big_vision(1e-2, schedule=schedule, **kwargs, **masked)
   ours, _ = _run_preset(tx, params, grads)
   reference = BigVisionAdafactor(
       1e-2, schedule=None if schedule is None else (lambda c: float(_warmup_cosine(c))),
@@ -644,3 +646,39 @@ def test_a_preset_that_scales_afterwards_offers_the_rounding_that_works(preset, 
   # Steps of about 1e-2 against a bfloat16 spacing of 2**-7 near 1: every weight moved.
   assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(params))
   assert bool(jnp.all(params["kernel"] < 1))
+
+
+def test_transformers_decay_with_parameter_scale_takes_the_mask():
+  # Under scale_parameter (the default) HF's decay is a step after safefactor's: the mask
+  # went to safefactor, which has no decay of its own there, and every param was decayed.
+  params = {"w": jnp.full((4, 3), 2.0), "b": jnp.ones(3)}
+  grads = jax.tree.map(jnp.zeros_like, params)
+  for scale_parameter in (True, False):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      tx = osf.presets.transformers(lr=0.05, relative_step=False, weight_decay=0.1,
+                                    scale_parameter=scale_parameter,
+                                    weight_decay_mask={"w": True, "b": False})
+    updates, _ = tx.update(grads, tx.init(params), params)
+    scale = 2.0 if scale_parameter else 1.0  # max(rms(p), eps2) under the parameter scale
+    np.testing.assert_allclose(updates["w"], -0.1 * 0.05 * scale * 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(updates["b"], 0.0)
+
+
+def test_big_vision_warns_of_a_mask_without_decay():
+  with pytest.warns(UserWarning, match=r"big_vision\(\): weight_decay_mask .* wd is 0: it has "
+                                       r"no effect"):
+    osf.presets.big_vision(1e-3, weight_decay_mask={"w": True})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    osf.presets.big_vision(1e-3)
+    osf.presets.big_vision(1e-3, wd=1e-4, weight_decay_mask={"w": True})
+
+
+def test_t5x_lr_exponent_takes_a_rate_of_zero_as_none_as_t5x_does():
+  # T5X: (weight_decay_rate or 1.0) * learning_rate ** exponent.
+  params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.zeros((4, 3))}
+  tx = osf.presets.t5x(0.01, weight_decay_rate=0.0, weight_decay_rate_lr_exponent=0.5,
+                       multiply_by_parameter_scale=False)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -0.1, rtol=1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,7 +53,8 @@ def big_vision(
 
   The preset is that chain, with ``safefactor`` (no learning rate, no parameter scale)
   in place of ``scale_by_adafactor``; the non-finite guard judges the whole chain.
-  ``weight_decay_mask`` (an override) replaces the ``.*/kernel`` rule.
+  ``weight_decay_mask`` (an override) replaces the ``.*/kernel`` rule (with ``wd`` 0 it
+  has no effect, and a warning says so).
 
   Measured against a float64 restatement of big_vision's source (``tests/test_presets.py``),
   30 steps on tall, wide, vector, stacked 3-D, partly zero and all-zero leaves, with and
@@ -111,6 +113,9 @@ def big_vision(
   preset_assembly.check_overrides("big_vision", overrides, taken)
   overrides = dict(overrides)
   mask = overrides.pop("weight_decay_mask", _big_vision_wd_mask)
+  if not wd and mask is not _big_vision_wd_mask:
+    warnings.warn("presets.big_vision(): weight_decay_mask says which params wd decays, and "
+                  "wd is 0: it has no effect", UserWarning, stacklevel=2)
   settings = dict(
       learning_rate=None, min_dim_size_to_factor=min_dim_size_to_factor,
       decay_rate=decay_rate, decay_offset=decay_offset, beta2_cap=beta2_cap,
@@ -352,7 +357,7 @@ def t5x(
     factor_rules = _t5x_factor_rules(factor_map, logical_factor_rules, param_logical_axes)
   if weight_decay_rate_lr_exponent:
     exponent = weight_decay_rate_lr_exponent
-    base = 1.0 if weight_decay_rate is None else weight_decay_rate
+    base = weight_decay_rate or 1.0  # T5X's `or`: a rate of 0 is taken as none given
     weight_decay_rate = (
         (lambda count: base * learning_rate(count) ** exponent) if callable(learning_rate)
         else base * learning_rate ** exponent)

@@ -129,7 +129,8 @@ def transformers(
     clip_threshold: the largest RMS of the scaled gradient.
     decay_rate: :math:`\beta_{2,t} = 1 - t^{\text{decay\_rate}}`; negative.
     beta1: momentum of the (scaled) update, or ``None``.
-    weight_decay: HF's decay, ``p -= weight_decay * lr_t * p``.
+    weight_decay: HF's decay, ``p -= weight_decay * lr_t * p``; ``weight_decay_mask``
+      (an override) says which params it reaches, under ``scale_parameter`` too.
     scale_parameter: scale the step by the parameter's RMS.
     relative_step: use :math:`\min(10^{-2}, 1/\sqrt t)` as the learning rate.
     warmup_init: with ``relative_step``, :math:`\min(10^{-6} t, 1/\sqrt t)` instead.
@@ -177,7 +178,15 @@ def transformers(
   after = []
   if weight_decay != 0:
     if scale_parameter:
-      after.append(_decay_scaled_by_param_rms(weight_decay, learning_rate, eps2))
+      decay = _decay_scaled_by_param_rms(weight_decay, learning_rate, eps2)
+      # safefactor's weight_decay_mask says which params its own decay reaches: this
+      # decay is a step of its own, so the mask goes with it.
+      mask = overrides.get("weight_decay_mask")
+      if mask is not None:
+        overrides = {name: value for name, value in overrides.items()
+                     if name != "weight_decay_mask"}
+        decay = optax.masked(decay, mask)
+      after.append(decay)
     else:
       settings["weight_decay_rate"] = preset_assembly.times(weight_decay, learning_rate)
   return preset_assembly.build("transformers", settings, overrides, after=after)
