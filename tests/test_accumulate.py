@@ -421,6 +421,12 @@ def test_every_k_must_be_a_positive_int_or_a_schedule():
   for every_k in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="every_k"):
       osf.accumulate_gradients(optax.sgd(0.1), every_k)
+  # Past int32, the count it is compared with: refused here, not by the first update's
+  # OverflowError.
+  for every_k in (2**31, np.int64(2**40)):
+    with pytest.raises(ValueError, match=r"every_k must be at most 2\*\*31 - 1"):
+      osf.accumulate_gradients(optax.sgd(0.1), every_k)
+  osf.accumulate_gradients(optax.sgd(0.1), 2**31 - 1)
   tx = osf.accumulate_gradients(optax.sgd(0.1), 2)
   params = _params()
   with pytest.raises(TypeError, match="AccumulationState"):

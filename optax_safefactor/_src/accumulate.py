@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_safefactor._src import checks, counters, numerics, placement, trees, xla_hints
@@ -28,7 +29,7 @@ class AccumulationState(NamedTuple):
   Attributes:
     inner_state: the inner transformation's state, as of its last update.
     accumulator: per leaf, the sum of the current group's finite micro-batch gradients,
-      in float32 (float64 for float64 gradients), placed and sharded like the param.
+      in float32 (float64 for float64 params), placed and sharded like the param.
       While ``accumulated`` is 0 it still holds the last group's sum, which the next
       micro-batch ignores: clearing it after the step would overwrite what the step
       reads, and XLA would copy it first.
@@ -86,7 +87,7 @@ def accumulate_gradients(
 
     \bar g = \mathrm{cast}_{g}\Big(\frac{1}{k} \sum_{i=1}^{k} \mathrm{f32}(g_i)\Big)
 
-  summed in float32 (float64 for float64 gradients) and handed to ``inner`` in the
+  summed in float32 (float64 for float64 params) and handed to ``inner`` in the
   gradients' own dtype. The micro-batch that completes a group returns
   ``inner.update(ḡ, ...)``'s updates; every other one returns zeros and leaves
   ``inner``'s state alone.
@@ -138,14 +139,18 @@ def accumulate_gradients(
       ``osf.safefactor`` rather than ``osf.safefactor(1e-3)``, say); in ``init`` and
       ``update``, when a param or grad leaf is not a floating array; in ``update``,
       when the state is not this transformation's.
-    ValueError: when ``every_k`` is neither a positive int nor a schedule; in
-      ``update``, when a grad's shape or the grads' structure differs from the params'.
+    ValueError: when ``every_k`` is neither a positive int (of at most ``2**31 - 1``) nor
+      a schedule; in ``update``, when a grad's shape or the grads' structure differs from
+      the params'.
   """
   checks.check_transformation(inner, "accumulate_gradients")
   if not callable(every_k):
     # An int, or an integer scalar array: optax.inject_hyperparams hands every_k over as
     # one (a tracer inside a jitted update, which cannot be judged and is taken as it is).
     checks.check_positive_int(every_k, "every_k", meaning=" (or a schedule)")
+    # The micro-batches are counted in int32.
+    if not isinstance(every_k, jax.core.Tracer) and every_k > np.iinfo(np.int32).max:
+      raise ValueError(f"every_k must be at most 2**31 - 1 (an int32 count), got {every_k!r}")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
