@@ -44,6 +44,10 @@ nitpick_ignore = [
     ("py:class", "optax_safefactor._src.counters.MicroBatchCounters"),
     # optax documents no page for its ScalarOrSchedule alias (a float or a schedule).
     ("py:class", "optax.ScalarOrSchedule"),
+    # jax.typing.DTypeLike (a dtype or its name), as autodoc spells it and its parts.
+    ("py:class", "DTypeLike"),
+    ("py:class", "numpy.dtype"),
+    ("py:class", "jax._src.typing.SupportsDType"),
 ]
 
 # Intersphinx reads inventories shipped in docs/_inventories/ instead of downloading each

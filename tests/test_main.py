@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import importlib.util
 import io
 import os
 import pathlib
@@ -140,6 +141,20 @@ def test_unwritable_out_fails_before_training(tmp_path):
       "python -m optax_safefactor: error: cannot write the plot to --out /proc/x: "
       "No such file or directory"]
   assert result.stdout == ""
+
+
+@pytest.mark.parametrize("absent", [("matplotlib",), ("flax", "matplotlib")])
+def test_missing_extras_fail_before_training(absent, tmp_path, monkeypatch, capsys):
+  # Without matplotlib the demo trained every run, then failed with a traceback at the plot.
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *args: None if name in absent else real_find_spec(name, *args))
+  monkeypatch.setattr(demo, "train", lambda *args, **kwargs: pytest.fail("trained"))
+  assert demo.main(["--out", str(tmp_path), "--steps", "2"]) == 2
+  verb = "is" if len(absent) == 1 else "are"
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"python -m optax_safefactor: error: {' and '.join(absent)} {verb} not installed: the "
+      "demo needs its extra, pip install 'optax-safefactor[demo]'"]
 
 
 def test_unwritable_folder_reasons(tmp_path):

@@ -20,7 +20,7 @@ import optax
 
 from optax_safefactor._src import checks, counters, numerics, placement, trees, xla_hints
 
-EveryK = int | Callable[[jax.Array], Any]
+EveryK = int | jax.Array | Callable[[jax.Array], Any]
 
 
 class AccumulationState(NamedTuple):

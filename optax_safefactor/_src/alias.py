@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import optax
+from jax.typing import DTypeLike
 
 from optax_safefactor._src import hyperparams, transform
 from optax_safefactor._src.hyperparams import DecayRateFn, Hyperparams
@@ -24,13 +25,13 @@ def safefactor(
     multiply_by_parameter_scale: bool = True,
     clipping_threshold: float | None = 1.0,
     momentum: float | None = None,
-    dtype_momentum: str | None = "float32",
+    dtype_momentum: DTypeLike | None = "float32",
     weight_decay_rate: optax.ScalarOrSchedule | None = None,
     eps: float = 1e-30,
     factored: bool = True,
     weight_decay_mask: Any = None,
     *,
-    state_dtype: str | None = None,
+    state_dtype: DTypeLike | None = None,
     beta2_cap: float | None = None,
     min_parameter_scale: float = 1e-3,
     max_parameter_scale: float | None = None,
@@ -85,7 +86,7 @@ def safefactor(
     multiply_by_parameter_scale: scale updates by ``max(rms(param), min_parameter_scale)``.
     clipping_threshold: clip each leaf's update to this RMS; ``None`` for no clipping.
     momentum: decay of an (undebiased) first moment; ``None`` for no momentum.
-    dtype_momentum: dtype name of the first moment; ``None`` for the params' dtype
+    dtype_momentum: dtype (or its name) of the first moment; ``None`` for the params' dtype
       (as in optax); ``"at_least_float32"`` for the params' dtype widened to float32
       (float32 for bfloat16 and float16 params, float64 for float64 ones, as PyTorch's
       Adafactors keep it). A complex param's momentum is complex of that precision:
@@ -98,7 +99,7 @@ def safefactor(
     weight_decay_mask: a tree (or a function of params returning one) of bools
       choosing the leaves that decay (without ``weight_decay_rate`` it warns that it
       has no effect).
-    state_dtype: dtype name of the second moment; ``None`` for float32 (float64 for
+    state_dtype: dtype (or its name) of the second moment; ``None`` for float32 (float64 for
       float64 params). ``"float16"`` statistics overflow once a gradient element
       reaches 256 (its square passes float16's largest value), and each such step is
       skipped as non-finite: ``"bfloat16"`` halves the state with float32's range.
@@ -216,7 +217,7 @@ def scale_by_safe_factored_rms(
     epsilon: jax.typing.ArrayLike = 1e-30,
     decay_rate_fn: DecayRateFn | None = None,
     *,
-    state_dtype: str | None = None,
+    state_dtype: DTypeLike | None = None,
     beta2_cap: jax.typing.ArrayLike | None = None,
     factor_rules: FactorRulesFn | None = None,
     skip_nonfinite_steps: bool = False,
@@ -260,7 +261,7 @@ def scale_by_safe_factored_rms(
     epsilon: added to the squared gradient; also the floor under every rsqrt
       (never below the compute dtype's smallest normal).
     decay_rate_fn: ``(step, decay_rate) -> beta2``; ``None`` for the power decay.
-    state_dtype: dtype name of the statistics; ``None`` for float32 (float64 for
+    state_dtype: dtype (or its name) of the statistics; ``None`` for float32 (float64 for
       float64 parameters).
     beta2_cap: an upper bound on beta2 (0.999 in big_vision), or ``None``.
     factor_rules: per-axis roles, as for :func:`safefactor`.

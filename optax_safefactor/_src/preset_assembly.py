@@ -9,12 +9,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 from optax_safefactor._src import write_back
 from optax_safefactor._src.alias import safefactor
 from optax_safefactor._src.guard import skip_nonfinite
 
-Schedule = Callable[[jax.Array], jax.Array]
+Schedule = Callable[[jax.Array], ArrayLike]
 
 SAFEFACTOR_ARGUMENTS = tuple(inspect.signature(safefactor).parameters)
 _DEFAULT_ROUNDING = inspect.signature(safefactor).parameters["param_rounding"].default

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import optax
+from jax.typing import DTypeLike
 
 from optax_safefactor._src import preset_assembly
 from optax_safefactor._src.preset_assembly import Schedule
@@ -34,7 +35,7 @@ def big_vision(
     beta2_cap: float = 0.999,
     clipping_threshold: float | None = None,
     momentum: float | None = 0.9,
-    dtype_momentum: str | None = "bfloat16",
+    dtype_momentum: DTypeLike | None = "bfloat16",
     eps: float = 1e-30,
     **overrides: Any,
 ) -> optax.GradientTransformationExtraArgs:
@@ -227,7 +228,7 @@ def t5x(
     min_dim_size_to_factor: int = 128,
     epsilon1: float = 1e-30,
     epsilon2: float = 1e-3,
-    dtype_momentum: str = "float32",
+    dtype_momentum: DTypeLike | None = "float32",
     factor_map: Any = None,
     logical_factor_rules: Mapping[str, Any] | str | None = None,
     weight_decay_rate_lr_exponent: float | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import pathlib
 import sys
 import time
@@ -588,8 +589,21 @@ def progress_bar(total: int, stream):
   return LogProgress(total, stream)
 
 
+def missing_extras(stream) -> list[str]:
+  """The demo's packages that are not installed: flax for the model, matplotlib for the
+  plot, and tqdm for the progress bar on a terminal (elsewhere a line per run)."""
+  needed = ["flax", "matplotlib"] + (["tqdm"] if stream.isatty() else [])
+  return [name for name in needed if importlib.util.find_spec(name) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
+  # Checked before training, not found missing when the plot is drawn after it.
+  missing = missing_extras(sys.stderr)
+  if missing:
+    verb = "is" if len(missing) == 1 else "are"
+    return fail(PROG, f"{' and '.join(missing)} {verb} not installed: the demo needs its "
+                      "extra, pip install 'optax-safefactor[demo]'")
   problem = unwritable_folder(args.out)
   if problem is not None:
     return fail(PROG, f"cannot write the plot to --out {args.out}: {problem}")
