@@ -25,6 +25,24 @@ def test_heuristic_matches_optax_choice():
   assert default_plan((0, 300), True, 1) is None
 
 
+@given(shape=st.lists(st.sampled_from([0, 1, 3, 128, 256]), min_size=0, max_size=4),
+       min_size=st.sampled_from([1, 3, 128]))
+def test_heuristic_breaks_ties_as_optax_does(shape, min_size):
+  # Equal axes are where the two could differ unseen: the states' shapes are the same
+  # either way. optax's own choice: (second largest, largest), or None.
+  from optax._src.factorized import _factored_dims
+
+  plan = default_plan(tuple(shape), True, min_size)
+  optax_dims = _factored_dims(tuple(shape), True, min_size)
+  if 0 in shape:  # a zero-size leaf: nothing to factor, whatever either plans
+    return
+  if optax_dims is None:
+    assert plan is None
+    return
+  second, largest = optax_dims
+  assert plan == FactorPlan((second,), (largest,))
+
+
 @given(shape=st.lists(st.integers(0, 300), min_size=0, max_size=4), min_size=st.integers(1, 200))
 def test_plan_round_trips_through_the_stat_shapes(shape, min_size):
   plan = default_plan(shape, True, min_size)

@@ -385,3 +385,16 @@ def test_a_batched_state_is_refused_with_how_to_read_one_member():
       report(state)
   member = jax.tree.map(lambda x: x[1], state)
   assert osf.nonfinite_report(member)["skipped_steps"] == 1
+
+
+def test_a_traced_state_is_refused_with_what_works_inside_jit():
+  # Under jax.jit the reports failed with JAX's bare TracerArrayConversionError.
+  tx = osf.safefactor(1e-3)
+  state = tx.init({"w": jnp.ones((4, 3))})
+  for report in (osf.nonfinite_report, osf.nonfinite_summary,
+                 functools.partial(osf.check_nonfinite_steps, max_consecutive=1)):
+    with pytest.raises(TypeError, match=r"the reports read the counters on the host, and this "
+                                        r"state is traced \(inside jax.jit, say\).*"
+                                        r"skipped_steps\(opt_state\)"):
+      jax.jit(report)(state)
+  assert int(jax.jit(osf.skipped_steps)(state)) == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from optax_safefactor._src import counters, spikes
@@ -84,6 +85,11 @@ def guard_records(opt_state: Any) -> list[GuardRecord]:
   """
   records = []
   for guard in counters.find_counters(opt_state):
+    if isinstance(unbox(guard.step), jax.core.Tracer):
+      raise TypeError(
+          "the reports read the counters on the host, and this state is traced (inside "
+          "jax.jit, say): call them outside it, on the state the step returns; inside, "
+          "skipped_steps(opt_state) and skipped_spikes(opt_state) give the totals")
     batch = np.shape(unbox(guard.step))
     if batch:
       # jax.vmap over init and update (an ensemble) gives every counter a batch axis.

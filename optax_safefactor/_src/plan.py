@@ -74,8 +74,11 @@ def default_plan(
   """The heuristic plan of ``optax.scale_by_factored_rms``, without the axis shift.
 
   The largest axis holds the columns and the second largest the rows, when the
-  smaller of the two has at least ``min_dim_size_to_factor`` elements. Ties go to
-  the earlier axis, as in optax, so the two libraries factor the same axes.
+  smaller of the two has at least ``min_dim_size_to_factor`` elements. Of equal axes
+  the later counts as the larger, as in optax, so the two libraries factor the same axes.
+
+  >>> default_plan((256, 256, 256), True, 128)
+  FactorPlan(row_axes=(1,), col_axes=(2,), batch_axes=())
 
   >>> default_plan((300, 200), True, 128)
   FactorPlan(row_axes=(1,), col_axes=(0,), batch_axes=())

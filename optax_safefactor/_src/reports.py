@@ -220,10 +220,12 @@ def nonfinite_report(opt_state: Any) -> dict[str, int | float]:
       :func:`skipped_steps`), with concrete values: call it outside ``jax.jit``.
 
   Returns:
-    A dict from the keys above to Python ints.
+    A dict from the keys above to Python ints, and to Python floats for the last spike's
+    value, limit and leaf norm.
 
   Raises:
     ValueError: when the state holds no guard.
+    TypeError: when the state is traced (inside ``jax.jit``).
   """
   records = guard_records(opt_state)
   report: dict[str, int | float] = {}
@@ -373,6 +375,7 @@ def nonfinite_summary(opt_state: Any) -> str:
 
   Raises:
     ValueError: when the state holds no guard.
+    TypeError: when the state is traced (inside ``jax.jit``).
   """
   records = guard_records(opt_state)
   if len(records) == 1:
@@ -417,6 +420,7 @@ def check_nonfinite_steps(opt_state: Any, max_consecutive: int) -> None:
     NonFiniteStepsError: when a guard has skipped ``max_consecutive`` or more in a row.
     ValueError: when ``max_consecutive`` is not a positive int, or the state holds no
       guard.
+    TypeError: when the state is traced (inside ``jax.jit``).
   """
   # 0 would "stop" a healthy fresh state, and a float or bool is a slip: refuse both.
   checks.check_positive_int(

@@ -304,10 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument(
       "--scale", type=common.SCALE, default=1.0,
       help="multiply the widths and vocabularies by this, in (0, 4], for a quicker run. "
-           "At 0.2 the trees have 0.4M to 8M params and their large layers are still "
-           "factored; below about 0.17 no axis keeps the 128 elements factoring needs, so "
-           "no leaf is factored and a different step is measured (the 600-leaf tree is "
-           "factored only from 1.0) (1.0)")
+           "At 0.2 the CPU's trees have 0.4M to 8M params (the 1B slice 10.7M) and "
+           "their large layers are still factored; below about 0.17 no axis of the CPU's "
+           "trees keeps the 128 elements factoring needs, so no leaf of theirs is factored "
+           "and a different step is measured (the 1B slice's large layers stay factored "
+           "down to 0.0625, the 600-leaf tree is factored only from 1.0) (1.0)")
   parser.add_argument(
       "--repetitions", type=common.REPETITIONS, default=5, metavar="N",
       help="timed rounds after one untimed warm-up round; a round runs every optimizer "
