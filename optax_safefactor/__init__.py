@@ -12,11 +12,13 @@ from optax_safefactor._src.counter_layout import migrate_from_0_2 as migrate_fro
 from optax_safefactor._src.counter_layout import state_in_0_2_layout as state_in_0_2_layout
 from optax_safefactor._src.counters import HyperparamCounts as HyperparamCounts
 from optax_safefactor._src.counters import LeafCounts as LeafCounts
+from optax_safefactor._src.counters import MicroBatchCounters as MicroBatchCounters
 from optax_safefactor._src.counters import SkipNonfiniteState as SkipNonfiniteState
 from optax_safefactor._src.guard import skip_nonfinite as skip_nonfinite
 from optax_safefactor._src.kernel import FactoredMoment as FactoredMoment
 from optax_safefactor._src.kernel import FullMoment as FullMoment
 from optax_safefactor._src.migrate import migrate_from_optax as migrate_from_optax
+from optax_safefactor._src.param_rounding import ParamRoundingState as ParamRoundingState
 from optax_safefactor._src.param_rounding import with_param_rounding as with_param_rounding
 from optax_safefactor._src.placement import state_partition_specs as state_partition_specs
 from optax_safefactor._src.plan import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
@@ -41,7 +43,9 @@ __all__ = (
     "FullMoment",
     "HyperparamCounts",
     "LeafCounts",
+    "MicroBatchCounters",
     "NonFiniteStepsError",
+    "ParamRoundingState",
     "SkipNonfiniteState",
     "SpikeHistory",
     "accumulate_gradients",

@@ -123,11 +123,12 @@ def with_param_rounding(
     seed: the seed of the stochastic rounding (a Python int).
 
   Returns:
-    A :class:`optax.GradientTransformationExtraArgs`. Its state is a named tuple of
-    ``inner_state`` (``inner``'s state, built from float32 copies of the params),
-    ``count`` (the applied steps, int32: with the seed and the leaf path it picks the
-    random bits) and ``compensation`` (``"kahan"`` only, else ``None``: per narrow
-    param, what rounding lost, in the param dtype; ``None`` for other leaves).
+    A :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`ParamRoundingState`: ``inner_state`` (``inner``'s state, built from float32
+    copies of the params), ``count`` (the applied steps, int32: with the seed and the
+    leaf path it picks the random bits) and ``compensation`` (``"kahan"`` only, else
+    ``None``: per narrow param, what rounding lost, in the param dtype; ``None`` for
+    other leaves).
 
   Raises:
     TypeError: at construction, when ``inner`` is not a transformation (the factory
