@@ -192,6 +192,13 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
     return node._replace(count=count, second_moment=convert_moments(node.second_moment),
                          momentum=momentum)
 
+  for multi_steps in find_all(optax_state, optax.MultiStepsState):
+    if not isinstance(multi_steps.mini_step, jax.core.Tracer) and int(multi_steps.mini_step):
+      warnings.warn(
+          f"optax_state's MultiSteps holds {int(multi_steps.mini_step)} micro-batches "
+          "accumulated since its last optimizer step, which the migrated state starts again "
+          "without: migrate right after an optimizer step to keep them", UserWarning,
+          stacklevel=2)
   migrated = _carry_wrapper_counts(optax_state,
                                    jax.tree.map(convert, target, is_leaf=is_adafactor_state))
   return placement.boxed_like(boxed_target, migrated)
@@ -236,11 +243,6 @@ def _carry_injected(old: Any, node: Any) -> Any:
 
 
 def _carry_multi_steps(old: Any, node: Any) -> Any:
-  if not isinstance(old.mini_step, jax.core.Tracer) and int(old.mini_step) != 0:
-    warnings.warn(
-        f"optax_state's MultiSteps holds {int(old.mini_step)} micro-batches accumulated "
-        "since its last optimizer step, which accumulate_gradients starts again without: "
-        "migrate right after an optimizer step to keep them", UserWarning, stacklevel=4)
   return node._replace(applied_steps=_placed_like(old.gradient_step, node.applied_steps))
 
 
