@@ -69,3 +69,47 @@ def test_a_mode_read_from_a_config_is_the_mode(mode):
                lambda m: osf.with_param_rounding(optax.sgd(1e-2), m)):
     assert_trees_bitwise_equal(run_steps(make(built), params, grads)[:2],
                                run_steps(make(mode), params, grads)[:2])
+
+
+KAHAN = {
+    "safefactor": lambda: osf.safefactor(0.1, param_rounding="kahan"),
+    "with_param_rounding": lambda: osf.with_param_rounding(optax.sgd(0.1, momentum=0.9), "kahan"),
+}
+NEAREST = {
+    "safefactor": lambda: osf.safefactor(0.1),
+    "with_param_rounding": lambda: osf.with_param_rounding(optax.sgd(0.1, momentum=0.9),
+                                                           "nearest"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KAHAN))
+@pytest.mark.parametrize("wrap", ["bare", "flatten"])
+def test_kahan_steps_one_float32_array_as_nearest_does(name, wrap):
+  # init's compensation of one float32 array is None itself (no narrow param, nothing to
+  # compensate); update took it for a state made with another mode and refused it.
+  def build(kind):
+    tx = kind[name]()
+    return optax.flatten(tx) if wrap == "flatten" else tx
+
+  params = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+  if wrap == "flatten":
+    params = {"w": params, "b": jnp.ones(3)}
+  grads = [jax.tree.map(lambda p, s=step: jnp.cos(p * (s + 1)), params) for step in range(3)]
+  kahan, kahan_state, _ = run_steps(build(KAHAN), params, grads)
+  nearest, _, _ = run_steps(build(NEAREST), params, grads)
+  assert_trees_bitwise_equal(kahan, nearest)  # float32 params: untouched by every mode
+  assert jax.tree.structure(kahan_state) == jax.tree.structure(build(KAHAN).init(params))
+
+
+def test_kahan_takes_a_state_without_compensation_where_no_param_is_narrow():
+  # A state made with "nearest" over float32 params holds nothing Kahan would keep.
+  params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+  grads = {"w": jnp.full((4, 3), 0.5), "b": jnp.full(3, 0.5)}
+  tx = osf.with_param_rounding(optax.sgd(0.1), "kahan")
+  state = osf.with_param_rounding(optax.sgd(0.1), "nearest").init(params)
+  updates, new_state = tx.update(grads, state, params)
+  assert new_state.compensation is None
+  np.testing.assert_allclose(updates["w"], -0.05, rtol=1e-6)
+  narrow = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  with pytest.raises(ValueError, match="holds no compensation"):
+    tx.update(grads, osf.with_param_rounding(optax.sgd(0.1), "nearest").init(narrow), narrow)

@@ -252,17 +252,22 @@ _ADAFACTOR_STATE = "the AdafactorState (opt_state.inner_state with the guard on)
 
 
 def check_has_compensation(state_compensation: Any, keeps: bool, param_rounding: str,
-                           holder: str = _ADAFACTOR_STATE, setting: str = "param_rounding"
-                           ) -> None:
+                           params: Any, holder: str = _ADAFACTOR_STATE,
+                           setting: str = "param_rounding") -> None:
   """The state holds a Kahan compensation exactly when the optimizer ``keeps`` one (its
-  ``param_rounding`` is Kahan): ``ValueError``.
+  ``param_rounding`` is Kahan) and ``params`` has a narrow (bfloat16, float16) leaf:
+  ``ValueError``.
 
   A state made with another ``param_rounding`` would otherwise fail inside the
   write-back (no compensation to add) or have its compensation carried along unused.
-  ``holder`` says which state the fix replaces the compensation of, ``setting`` names
-  the argument that picks the rounding.
+  Without a narrow param there is nothing to compensate: init's compensation of a single
+  float32 array is ``None`` itself. ``holder`` says which state the fix replaces the
+  compensation of, ``setting`` names the argument that picks the rounding.
   """
   if (state_compensation is not None) == keeps:
+    return
+  if keeps and not any(np.dtype(leaf.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+                       for leaf in jax.tree.leaves(params)):
     return
   if keeps:
     raise ValueError(

@@ -165,6 +165,7 @@ def with_param_rounding(
     checks.check_state_type(state, ParamRoundingState, updates, "with_param_rounding")
     checks.check_counters(state, ("count",))
     checks.check_has_compensation(state.compensation, keeps_compensation, mode,
+                                  updates if params is None else params,
                                   "the with_param_rounding state", "mode")
     if write_back.rounds_onto_params(mode) and params is None:
       raise ValueError(
@@ -173,19 +174,22 @@ def with_param_rounding(
     # Any dtype: float32 grads for bfloat16 params are fine (the update takes the
     # param's dtype); shapes and structure must agree, leaf by leaf.
     checks.check_update_inputs(updates, params, any_dtype=True)
+    none_tree = jax.tree.map(lambda _: None, updates)
+    # Without a narrow param the compensation may be None itself (init's, for one float32
+    # array): None for every leaf.
+    stored = none_tree if state.compensation is None else state.compensation
     if keeps_compensation:
       # A compensation for each narrow param of init's: a state made before the params
       # were cast to bfloat16 has none (and the reverse carries one never used).
       flat_params, params_def = jax.tree_util.tree_flatten_with_path(params)
       for (path, param), compensation in zip(
-          flat_params, params_def.flatten_up_to(state.compensation), strict=True):
+          flat_params, params_def.flatten_up_to(stored), strict=True):
         checks.check_leaf_compensation(path, param, compensation)
     inner_updates, inner_state = inner.update(
         _widen(updates), state.inner_state, None if params is None else _widen(params),
         **extra_args,
     )
     checks.check_same_structure(updates, inner_updates, "the inner transformation's updates")
-    none_tree = jax.tree.map(lambda _: None, updates)
 
     # A wide param is never rounded: no bits, no compensation.
     narrow_params = jax.tree.map(lambda p: p if _is_narrow(p) else None,
@@ -202,8 +206,8 @@ def with_param_rounding(
         write_back.write_back(update, param, _dtype(grad), how, compensation)
         for grad, update, param, how, compensation in zip(
             grads, treedef.flatten_up_to(inner_updates), flat_params,
-            roundings, treedef.flatten_up_to(state.compensation if keeps_compensation
-                                             else none_tree), strict=True)])
+            roundings, treedef.flatten_up_to(stored if keeps_compensation else none_tree),
+            strict=True)])
     new_updates, new_compensation = unzip_leaf_results(updates, written, 2)
     return new_updates, ParamRoundingState(
         inner_state=inner_state,
@@ -211,7 +215,9 @@ def with_param_rounding(
         # run with it is the run without it, as with the guard outside.
         count=jnp.where(_skipped_inside(state.inner_state, inner_state), state.count,
                         optax.safe_increment(state.count)),
-        compensation=new_compensation if keeps_compensation else state.compensation,
+        # (The state's own structure: None stays None.)
+        compensation=(new_compensation if keeps_compensation and state.compensation is not None
+                      else state.compensation),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, placement.through_boxes(update_fn))

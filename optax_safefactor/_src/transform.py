@@ -110,7 +110,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     if guarded:
       checks.check_counters(state, counters.COUNTER_FIELDS)
     checks.check_has_momentum(inner.momentum, hp.momentum)
-    checks.check_has_compensation(inner.compensation, keeps_compensation, hp.param_rounding)
+    checks.check_has_compensation(inner.compensation, keeps_compensation, hp.param_rounding,
+                                  updates)
     if params is None and hp.needs_params:
       raise ValueError(
           "safefactor needs params in update(grads, state, params): this optimizer has "
