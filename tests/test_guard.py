@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from tests.helpers import assert_trees_equal, run_steps
+from tests.helpers import assert_trees_bitwise_equal, assert_trees_equal, run_steps
 
 
 def _nan_at(steps):
@@ -253,3 +253,40 @@ def test_state_nonfinite_is_caught_for_plain_transforms():
   params = {"a": jnp.ones(3)}
   _, state = tx.update(params, tx.init(params), params)
   assert int(state.skipped_steps) == 1 and float(state.inner_state["acc"]) == 0.0
+
+
+def test_a_state_leaf_that_changes_dtype_is_kept_in_the_wider():
+  # optax.adam's moments of bfloat16 params take float32 grads' dtype: lax.select of the
+  # new and old moments failed on their dtypes. The run equals adam's alone, and a skipped
+  # step keeps the old moments exactly (in float32, which holds every bfloat16 value).
+  params = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.bfloat16).reshape(4, 3)}
+  grads = [{"w": jnp.cos(jnp.arange(12.0) * (step + 1)).reshape(4, 3)} for step in range(4)]
+  poisoned = [*grads[:2], {"w": jnp.full((4, 3), jnp.nan)}, *grads[2:]]
+  with jax.numpy_dtype_promotion("standard"):  # bfloat16 params, float32 grads
+    _, bare_state, bare_updates = run_steps(optax.sgd(0.1, momentum=0.9), params, grads,
+                                            apply_updates=False)
+    _, state, updates = run_steps(osf.skip_nonfinite(optax.sgd(0.1, momentum=0.9)), params,
+                                  poisoned, apply_updates=False)
+  assert_trees_bitwise_equal(state.inner_state, bare_state)
+  assert_trees_bitwise_equal(updates[:2] + updates[3:], bare_updates)
+  assert int(osf.skipped_steps(state)) == 1
+
+
+@pytest.mark.parametrize("key", [0, "typed"])
+def test_a_prng_key_in_the_wrapped_state_is_kept(key):
+  # A key's dtype is no number type: it is selected as it is, never promoted.
+  key = jax.random.key(0) if key == "typed" else key
+  params = {"w": jnp.ones(3)}
+  tx = osf.skip_nonfinite(optax.noisy_sgd(0.1, key=key))
+  state = tx.init(params)
+  with jax.numpy_dtype_promotion("standard"):  # noisy_sgd mixes Python floats and int32
+    _, state = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
+    _, skipped = jax.jit(tx.update)({"w": jnp.full(3, jnp.nan)}, state, params)
+  assert int(osf.skipped_steps(skipped)) == 1
+
+  def key_bits(guard_state):
+    found = optax.tree_utils.tree_get(guard_state.inner_state, "rng_key")
+    return (jax.random.key_data(found) if jnp.issubdtype(found.dtype, jax.dtypes.prng_key)
+            else found)
+
+  assert_trees_bitwise_equal(key_bits(skipped), key_bits(state))

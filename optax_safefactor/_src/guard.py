@@ -233,6 +233,17 @@ def _without_spike_histories(state: Any) -> Any:
   return jax.tree.map(lambda x: None if is_history(x) else x, state, is_leaf=is_history)
 
 
+def _kept_unless_skipped(applied: jax.Array, new: Any, old: Any) -> Any:
+  """A state leaf of the wrapped transformation: its new value, or the old one when the
+  step is skipped, in the wider of their two dtypes. A transformation may change a
+  leaf's dtype (optax.adam's moments of bfloat16 params take float32 grads' dtype), and
+  the wider keeps the old value exactly and the new one as returned when it widens."""
+  if new.dtype != old.dtype:  # (a PRNG key's dtype is no number type: left as it is)
+    dtype = jnp.promote_types(new.dtype, old.dtype)
+    new, old = new.astype(dtype), old.astype(dtype)
+  return keep_unless_skipped(applied, new, old)
+
+
 def _grads_error(grads: Any, params: Any | None, counted: Any) -> ValueError | None:
   """The error for grads whose leaves are not the params', or ``None`` when they are.
 
@@ -401,7 +412,7 @@ def skip_nonfinite(
       spike = spikes.judge(state.spikes, _square_sums(updates), loss, skip_spikes, step_finite)
       applied = xla_hints.computed_once([step_finite, ~spike.skip])
     new_updates = jax.tree.map(partial(zero_if_skipped, applied), new_updates)
-    new_inner = jax.tree.map(partial(keep_unless_skipped, applied), new_inner,
+    new_inner = jax.tree.map(partial(_kept_unless_skipped, applied), new_inner,
                              state.inner_state)
     return new_updates, record_step(state, new_inner, leaf_finite, step_finite,
                                     max_consecutive=max_consecutive, checked=checked,
