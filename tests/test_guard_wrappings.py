@@ -185,3 +185,23 @@ def test_lookahead_grads_are_refused_where_they_cannot_be_judged():
   with pytest.raises(ValueError, match=r"grads do not match params: missing from grads: "
                                        r"params.fast\['w'\].*skip_spikes names a spike"):
     tx.update({"w": jnp.ones((4, 3))}, tx.init(params), params)
+
+
+@pytest.mark.parametrize("wrap", ["masked", "multi_transform"])
+def test_a_guard_around_masked_state_names_the_nonfinite_leaf_only(wrap):
+  # optax.masked keeps a MaskedNode for each param it leaves out, so its moments were not
+  # "shaped like the updates" and their NaN was charged to every leaf.
+  params = {"enc": jnp.ones((4, 3)), "dec": jnp.ones(3), "emb": jnp.ones(5)}
+  grads = {**jax.tree.map(jnp.ones_like, params), "dec": jnp.ones(3).at[0].set(jnp.nan)}
+  if wrap == "masked":
+    inner = optax.masked(optax.sgd(0.1, momentum=0.9), {"enc": True, "dec": True, "emb": False})
+  else:
+    inner = optax.multi_transform(
+        {"train": optax.sgd(0.1, momentum=0.9), "frozen": optax.set_to_zero()},
+        {"enc": "train", "dec": "train", "emb": "frozen"})
+  tx = osf.skip_nonfinite(inner)
+  _, state = tx.update(grads, tx.init(params), params)
+  report = osf.nonfinite_report(state)
+  assert report["skipped_steps"] == 1
+  assert [key for key in report if key.startswith("nonfinite_steps/")] == [
+      "nonfinite_steps/params['dec']"]

@@ -207,7 +207,17 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> jax.Array:
   updates_def = jax.tree.structure(new_updates)
 
   def is_shaped_like_updates(x):
-    return jax.tree.structure(x) == updates_def
+    # The updates' tree with, in a leaf's place, that leaf's state: an array, or nothing
+    # (the MaskedNode of a param that optax.masked or optax.multi_transform leaves out).
+    if jax.tree.structure(x) == updates_def:
+      return True
+    if updates_def.num_leaves < 2 or updates_def.num_nodes == 1:
+      return False
+    try:
+      leaves = updates_def.flatten_up_to(x)
+    except (ValueError, TypeError):
+      return False
+    return all(hasattr(leaf, "dtype") or not jax.tree.leaves(leaf) for leaf in leaves)
 
   parts = jax.tree.leaves(new_state, is_leaf=is_shaped_like_updates)
   shaped = [part for part in parts if is_shaped_like_updates(part)]
@@ -216,8 +226,9 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> jax.Array:
       if not is_shaped_like_updates(part) and jnp.issubdtype(part.dtype, jnp.inexact)
   ])
 
-  def leaf_finite(update, *state_leaves):
-    finite = [numerics.all_finite(x) for x in (update, *state_leaves)
+  def leaf_finite(update, *state_parts):
+    arrays = [update, *(x for part in state_parts for x in jax.tree.leaves(part))]
+    finite = [numerics.all_finite(x) for x in arrays
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
     return jnp.all(jnp.stack(finite)) & unattributed if finite else unattributed
 
