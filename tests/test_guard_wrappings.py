@@ -7,6 +7,7 @@ with poisoned steps; the skip counts and the params must be the same.
 """
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -205,3 +206,55 @@ def test_a_guard_around_masked_state_names_the_nonfinite_leaf_only(wrap):
   assert report["skipped_steps"] == 1
   assert [key for key in report if key.startswith("nonfinite_steps/")] == [
       "nonfinite_steps/params['dec']"]
+
+
+def test_a_guard_around_reduce_on_plateau_steps_past_its_infinite_best_value():
+  # reduce_on_plateau keeps best_value at +Inf until its first accumulation completes:
+  # the guard took that for a non-finite state and skipped every step, for ever.
+  params = {"w": jnp.ones((4, 3))}
+  inner = optax.chain(optax.sgd(1e-2), optax.contrib.reduce_on_plateau(accumulation_size=3))
+
+  def run(tx):
+    p, state = params, tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # reduce_on_plateau mixes int and float
+      for _ in range(6):
+        updates, state = tx.update({"w": jnp.full((4, 3), 0.5)}, state, p,
+                                   value=jnp.float32(1.0))
+        p = optax.apply_updates(p, updates)
+    return p, state
+
+  expected, _ = run(inner)
+  guarded, state = run(osf.skip_nonfinite(inner))
+  assert_trees_close(guarded, expected, rtol=0)
+  assert not jnp.allclose(guarded["w"], params["w"])
+  assert int(osf.skipped_steps(state)) == 0
+
+
+class _Scalar(typing.NamedTuple):
+  total: jax.Array
+
+
+def _summing(start):
+  """A transformation whose state is one float32 scalar: the running sum of |g|**2."""
+  def init(params):
+    del params
+    return _Scalar(jnp.asarray(start, jnp.float32))
+
+  def update(updates, state, params=None):
+    del params
+    total = state.total + sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(updates))
+    return updates, _Scalar(total)
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("start,grad,skipped", [
+    (jnp.inf, 1.0, 0),     # +Inf kept as it was: a sentinel
+    (0.0, 1e30, 1),        # made infinite by this step (1e60 overflows float32)
+    (jnp.nan, 1.0, 1),     # NaN is never kept
+])
+def test_a_scalar_state_is_judged_by_what_the_step_did_to_it(start, grad, skipped):
+  tx = osf.skip_nonfinite(_summing(start))
+  params = {"w": jnp.ones(3)}
+  _, state = tx.update({"w": jnp.full(3, grad)}, tx.init(params), params)
+  assert int(osf.skipped_steps(state)) == skipped

@@ -197,7 +197,18 @@ def check_spike_state(state: SkipNonfiniteState, skip_spikes: Any,
                      f"was built with spike_window={int(spike_window)}")
 
 
-def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> jax.Array:
+def _finite_or_kept(new: jax.Array, old: Any) -> jax.Array:
+  """Whether a scalar of the wrapped state is finite, or infinite as it was before the
+  step: a sentinel kept (optax's reduce_on_plateau starts its best value at +Inf), not
+  a value this step made non-finite. A NaN never counts as kept (NaN != NaN)."""
+  finite = numerics.all_finite(new)
+  if (old is None or np.ndim(new) != 0 or np.shape(old) != ()
+      or jnp.result_type(old) != jnp.result_type(new)):
+    return finite
+  return finite | (new == old)
+
+
+def _leaf_finite_from_outputs(new_updates: Any, new_state: Any, old_state: Any) -> jax.Array:
   """Per-leaf finiteness of any transformation's outputs, one reduction over each, as a
   bool vector in the updates' leaf order.
 
@@ -220,9 +231,12 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any) -> jax.Array:
     return all(hasattr(leaf, "dtype") or not jax.tree.leaves(leaf) for leaf in leaves)
 
   parts = jax.tree.leaves(new_state, is_leaf=is_shaped_like_updates)
+  old_parts = jax.tree.leaves(old_state, is_leaf=is_shaped_like_updates)
+  if len(old_parts) != len(parts):
+    old_parts = [None] * len(parts)
   shaped = [part for part in parts if is_shaped_like_updates(part)]
   unattributed = xla_hints.computed_once([
-      numerics.all_finite(part) for part in parts
+      _finite_or_kept(part, old) for part, old in zip(parts, old_parts, strict=True)
       if not is_shaped_like_updates(part) and jnp.issubdtype(part.dtype, jnp.inexact)
   ])
 
@@ -307,7 +321,10 @@ def skip_nonfinite(
   *produces*, so NaN or Inf made inside the transformation (a finite gradient
   whose square overflows, say) is caught as well as a bad incoming gradient. It
   costs one reduction over each output; :func:`safefactor` guards itself, deciding
-  from statistics it computes anyway, so it needs no wrapper.
+  from statistics it computes anyway, so it needs no wrapper. A scalar of ``inner``'s
+  state that the step leaves infinite as it was is a sentinel, not a non-finite value
+  (``optax.contrib.reduce_on_plateau`` starts its best value at +Inf); a NaN always
+  counts, and so does a scalar the step makes infinite.
 
   Skipping is all or nothing for a step. Per-leaf counters record which leaves
   were non-finite, and when; see :func:`skipped_steps` and :func:`nonfinite_report`.
@@ -411,7 +428,8 @@ def skip_nonfinite(
                                    name="the wrapped transformation's updates")
       except ValueError as error:
         raise grads_error from error
-    leaf_finite = _leaf_finite_from_outputs(new_updates, _without_spike_histories(new_inner))
+    leaf_finite = _leaf_finite_from_outputs(new_updates, _without_spike_histories(new_inner),
+                                            _without_spike_histories(state.inner_state))
     # The values optax.inject_hyperparams used this step, kept in the new inner state.
     hyperparams = injected_hyperparams(new_inner).values()
     hyperparams_finite = (flag_vector([jnp.all(jnp.isfinite(v)) for v in hyperparams])
