@@ -61,9 +61,19 @@ def test_grads_with_a_leaf_the_state_lacks_are_named():
 def test_accumulation_refuses_integer_params_at_init():
   # The accumulator sums gradients in the param's floating compute dtype: an integer param has
   # none.
-  tx = osf.accumulate_gradients(optax.sgd(0.1), 2)
-  with pytest.raises(TypeError, match=r"params\['step'\]: param dtype int32"):
-    tx.init({"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)})
+  # A mask inside does not help (every leaf reaches the accumulator): the message said to
+  # use one, which the user had; it says to put the mask around the accumulation.
+  params = {"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)}
+  mask = {"w": True, "step": False}
+  tx = osf.accumulate_gradients(optax.masked(optax.sgd(0.1), mask), 2)
+  with pytest.raises(TypeError, match=r"params\['step'\]: param dtype int32 is not floating "
+                                      r"or complex; accumulate_gradients sums every leaf it is "
+                                      r"given, so leave it out around it: optax.masked\("
+                                      r"osf.accumulate_gradients\(tx, every_k\), mask\)"):
+    tx.init(params)
+  around = optax.masked(osf.accumulate_gradients(optax.sgd(0.1), 2), mask)
+  updates, _ = around.update(jax.tree.map(jnp.ones_like, params), around.init(params), params)
+  assert int(updates["step"]) == 1  # optax.masked passes a left-out leaf's grad through
 
 
 def test_integer_params_are_refused_at_init():

@@ -154,7 +154,12 @@ def accumulate_gradients(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    checks.check_init_params(params)
+    # A mask inside (accumulate_gradients(optax.masked(...))) still hands every leaf to
+    # the accumulator: the mask goes around it.
+    checks.check_init_params(params, exclude=(
+        "accumulate_gradients sums every leaf it is given, so leave it out around it: "
+        "optax.masked(osf.accumulate_gradients(tx, every_k), mask), or "
+        "optax.multi_transform"))
     return AccumulationState(
         inner_state=inner.init(params),
         accumulator=jax.tree.map(_accumulator_like, params, is_leaf=placement.is_box),

@@ -79,13 +79,16 @@ def _first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str 
   return None
 
 
+_EXCLUDE = "exclude it with optax.masked or optax.multi_transform"
+
+
 def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
-                     any_dtype: bool = False) -> None:
+                     any_dtype: bool = False, exclude: str = _EXCLUDE) -> None:
   """A leaf must be a floating or complex array: no Python numbers, no integers or bools.
 
   ``any_dtype`` accepts integer and bool arrays too: the wrappers around any optax
   transformation leave dtypes to it (an integer leaf under ``optax.set_to_zero``, say)
-  and only need arrays.
+  and only need arrays. ``exclude`` says how to leave an integer leaf out.
   """
   if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
     raise TypeError(
@@ -96,7 +99,7 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
   if not any_dtype and not jnp.issubdtype(leaf.dtype, jnp.inexact):
     raise TypeError(
         f"{path_name(path)}: {what} dtype {leaf.dtype} is not floating or complex; "
-        "exclude it with optax.masked or optax.multi_transform"
+        + exclude
     )
 
 
@@ -329,10 +332,11 @@ def _holds_optax_factored_state(state: Any) -> bool:
   return any(is_factored(x) for x in jax.tree.leaves(state, is_leaf=is_factored))
 
 
-def check_init_params(params: Any, *, any_dtype: bool = False) -> None:
+def check_init_params(params: Any, *, any_dtype: bool = False, exclude: str = _EXCLUDE) -> None:
   """Static checks of ``init``'s params (flax boxes unboxed), naming the parameter path."""
   jax.tree_util.tree_map_with_path(
-      lambda path, param: check_param_leaf(path, placement.unbox(param), any_dtype=any_dtype),
+      lambda path, param: check_param_leaf(path, placement.unbox(param), any_dtype=any_dtype,
+                                           exclude=exclude),
       params, is_leaf=placement.is_box,
   )
 
