@@ -212,8 +212,10 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any, old_state: Any) 
   """Per-leaf finiteness of any transformation's outputs, one reduction over each, as a
   bool vector in the updates' leaf order.
 
-  Parts of the state shaped like the updates (Adam's ``mu`` and ``nu``, say) are
-  charged to their leaf; any other non-finite state is charged to every leaf.
+  Parts of the state shaped like the updates (Adam's ``mu`` and ``nu``, say, with the
+  MaskedNode of a param ``optax.masked`` leaves out) are charged to their leaf; any
+  other non-finite state is charged to every leaf, but for a scalar ``old_state`` held
+  infinite already (:func:`_finite_or_kept`).
   """
   updates_def = jax.tree.structure(new_updates)
 

@@ -178,7 +178,7 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
 
   def convert(node):
     if not is_adafactor_state(node):
-      return node  # skip counters and other wrappers' state start fresh
+      return node  # skip counters start fresh; the wrappers' counts: _carry_wrapper_counts
     count = _placed_like(factored_state.count, node.count)
     if node.momentum is not None and ema_state is None:
       raise ValueError("momentum must be on in both optimizers or off in both")
