@@ -253,3 +253,18 @@ def test_a_resized_param_is_named_with_both_shapes():
   with pytest.raises(ValueError, match=r"params\['bias'\]: .*optax's statistics have shape "
                                        r"\(128,\), the param \(130,\)\).*pass the params"):
     osf.migrate_from_optax(state, osf.safefactor(1e-3), {**params, "bias": jnp.zeros(130)})
+
+
+def test_a_migrated_state_is_placed_as_init_places_it_and_migrates_under_jit():
+  # The statistics go where init puts them: on a mesh, sharded like the param's state.
+  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+  params = {"w": jax.device_put(jnp.ones((256, 128)), sharding)}
+  tx = osf.safefactor(1e-3)
+  optax_state = optax.adafactor(1e-3).init({"w": jnp.ones((256, 128))})  # one device
+  state = osf.migrate_from_optax(optax_state, tx, params)
+  fresh = tx.init(params)
+  for migrated, made in zip(jax.tree.leaves(state), jax.tree.leaves(fresh), strict=True):
+    assert migrated.sharding.is_equivalent_to(made.sharding, migrated.ndim)
+  jitted = jax.jit(osf.migrate_from_optax, static_argnums=1)(optax_state, tx, params)
+  assert_trees_close(jitted, state, rtol=0)
