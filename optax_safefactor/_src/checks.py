@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_safefactor._src import placement
+from optax_safefactor._src.write_back import is_narrow
 
 KeyPath = tuple[Any, ...]
 
@@ -269,8 +270,7 @@ def check_has_compensation(state_compensation: Any, keeps: bool, param_rounding:
   """
   if (state_compensation is not None) == keeps:
     return
-  if keeps and not any(np.dtype(leaf.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-                       for leaf in jax.tree.leaves(params)):
+  if keeps and not any(is_narrow(leaf.dtype) for leaf in jax.tree.leaves(params)):
     return
   if keeps:
     raise ValueError(
@@ -293,7 +293,7 @@ def check_has_compensation(state_compensation: Any, keeps: bool, param_rounding:
 def check_leaf_compensation(path: KeyPath, grad: Any, compensation: Any) -> None:
   """Under Kahan, a bfloat16 or float16 param has a compensation of its shape and dtype,
   and a wider one has none (``None``): ``ValueError`` or ``TypeError`` naming the path."""
-  narrow = np.dtype(grad.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+  narrow = is_narrow(grad.dtype)
   if compensation is None:
     if narrow:
       raise ValueError(
