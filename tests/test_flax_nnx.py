@@ -267,3 +267,36 @@ def test_an_integer_param_left_out_as_the_error_advises_trains_under_nnx(leaving
   after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   chex.assert_trees_all_equal(after["offsets"], before["offsets"])
   assert not jnp.array_equal(after["linear"]["kernel"], before["linear"]["kernel"])
+
+
+def _linear_pair():
+  model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  return model, nnx.Optimizer(model, osf.safefactor(1e-3), wrt=nnx.Param)
+
+
+def test_the_0_2_layout_of_an_nnx_optimizer_keeps_its_boxes_both_ways():
+  # nnx.Optimizer keeps every state array in an OptArray; the conversions took the
+  # counters out of theirs, so the converted state could not go back into the optimizer.
+  model, optimizer = _linear_pair()
+  optimizer.update(model, jax.tree.map(lambda p: jnp.full_like(p, jnp.nan),
+                                       nnx.state(model, nnx.Param)))
+  today = optimizer.opt_state
+  old = osf.state_in_0_2_layout(today)
+  assert {type(count).__name__ for count in old.nonfinite_steps.values()} == {"OptArray"}
+  for migrated in (osf.migrate_from_0_2(old), osf.migrate_from_0_2(old, like=today)):
+    assert jax.tree.structure(migrated) == jax.tree.structure(today)
+    optimizer.opt_state = migrated
+    optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+    assert osf.nonfinite_report(optimizer.opt_state)["nonfinite_steps/params['bias']"] == 1
+  abstract = osf.state_in_0_2_layout(nnx.eval_shape(_linear_pair)[1].opt_state)
+  assert {type(count).__name__ for count in abstract.last_nonfinite_step.values()} == {"OptArray"}
+
+
+@pytest.mark.parametrize("convert", [osf.state_in_0_2_layout, osf.migrate_from_0_2])
+def test_the_0_2_conversions_refuse_the_pairs_nnx_state_and_say_what_to_convert(convert):
+  # nnx.state flattens the guard into a mapping, in which nothing was found to convert:
+  # the tree came back unchanged, and orbax failed later on a path of its own.
+  model, optimizer = _linear_pair()
+  with pytest.raises(TypeError, match=r"guard's fields .* mapping .* optimizer\.opt_state = "
+                                      rf"osf\.{convert.__name__}\(optimizer\.opt_state\)"):
+    convert(nnx.state((model, optimizer)))

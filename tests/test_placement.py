@@ -117,9 +117,12 @@ def _collectives(hlo_text):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-def test_update_needs_only_small_all_reduces(axis_type):
+@pytest.mark.parametrize("settings", [{}, {"skip_spikes": 6.0}], ids=["default", "spikes"])
+def test_update_needs_only_small_all_reduces(axis_type, settings):
+  # The spike rule sums every leaf's squares: a sharded leaf summed with the others (as
+  # one concatenation) was gathered whole onto every device under Auto axes.
   mesh = _mesh(axis_type)
-  tx = osf.safefactor(0.1, momentum=0.9)
+  tx = osf.safefactor(0.1, momentum=0.9, **settings)
   with jax.set_mesh(mesh):
     params = _params(mesh)
     state = tx.init(params)
@@ -129,6 +132,23 @@ def test_update_needs_only_small_all_reduces(axis_type):
   assert {kind for kind, _ in collectives} == {"all-reduce"}, collectives
   # The largest operand is a local row or column statistic (512 / 4 devices = 128).
   assert max(max(sizes) for _, sizes in collectives) <= 128, collectives
+
+
+def test_an_eager_update_leaves_replicated_leaves_replicated_under_auto_axes():
+  # Eager, the update around the inner step is traced (accumulate_gradients' lax.cond):
+  # the spike rule's sums once moved every replicated leaf's state and update onto the
+  # axis of a sharded one.
+  mesh = _mesh(AxisType.Auto)
+  tx = osf.accumulate_gradients(osf.safefactor(0.1, skip_spikes=4.0, momentum=0.9), 1)
+  with jax.set_mesh(mesh):
+    params = {"b": jax.device_put(jnp.ones(512), NamedSharding(mesh, P("model"))),
+              "z": jax.device_put(jnp.ones(32), NamedSharding(mesh, P()))}
+    state = tx.init(params)
+    updates, new_state = tx.update(jax.tree.map(lambda p: p * 0.5, params), state, params)
+  assert updates["z"].sharding.is_fully_replicated, updates["z"].sharding
+  assert updates["b"].sharding.is_equivalent_to(params["b"].sharding, 1)
+  for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state), strict=True):
+    assert new.sharding.is_equivalent_to(old.sharding, new.ndim), (old.sharding, new.sharding)
 
 
 def test_per_device_state_bytes_shrink_with_the_mesh():
@@ -162,6 +182,21 @@ def test_partition_specs_for_abstract_params_and_wrappers():
   specs = osf.state_partition_specs(osf.safefactor(0.1), params, SPECS)
   assert specs.inner_state.second_moment["w"] == EXPECTED_STAT_SPECS["w"]
   assert specs.inner_state.count == P() and specs.skipped_steps == P()
+
+
+@pytest.mark.parametrize("spec, error, message", [
+    (P("data", "model", None), ValueError,
+     r"param_specs\['w'\] is .* with 3 entries, for a param of shape \(256, 512\) \(rank 2\)"),
+    (P("dta", None), ValueError, r"param_specs\['w'\] .* the mesh has no axis 'dta'"),
+    (P(("data", "modle"), None), ValueError, r"param_specs\['w'\] .* no axis 'modle'"),
+    ("data", TypeError, r"param_specs\['w'\] must be a PartitionSpec, got str"),
+], ids=["too-long", "unknown-axis", "unknown-axis-in-tuple", "not-a-spec"])
+def test_partition_specs_refuse_a_spec_that_cannot_place_its_param(spec, error, message):
+  # Each failed deep inside (a zip in the traced init, JAX's mesh lookup) without a path.
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  with pytest.raises(error, match=message):
+    osf.state_partition_specs(osf.safefactor(0.1, momentum=0.9), params, SPECS | {"w": spec},
+                              mesh=_mesh(AxisType.Explicit))
 
 
 def test_an_auto_mode_step_with_pinned_out_shardings_compiles_once_and_keeps_them():

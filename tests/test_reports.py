@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -270,7 +271,7 @@ def test_a_state_already_past_the_bound_is_reported():
 
 # A non-finite hyperparameter -------------------------------------------------------------
 
-SOURCES = "a schedule's value or an injected one"
+SOURCES = "a schedule's value or an injected one, non-finite or out of its range"
 
 
 def _nan_from(step, value=0.1):
@@ -311,7 +312,8 @@ def test_max_consecutive_skips_names_the_learning_rate():
   tx = osf.safefactor(_nan_from(1), max_consecutive_skips=2)
   with pytest.raises(osf.NonFiniteStepsError,
                      match=r"at step 2 the non-finite hyperparameters were: learning_rate "
-                           r"\(a schedule's value or an injected one\), and no leaf was"):
+                           r"\(a schedule's value or an injected one, non-finite or out of "
+                           r"its range\), and no leaf was"):
     run_steps(tx, _params(), lambda step: _grads(), 4, jit=False)
 
 
@@ -342,6 +344,51 @@ def test_an_injected_learning_rate_is_named_by_either_guard():
     assert osf.nonfinite_summary(state) == (
         "skipped 1 of 1 step (1 in a row); non-finite: hyperparameter learning_rate x1 (last "
         f"at step 0), {SOURCES}{leaves}")
+
+
+@pytest.mark.parametrize("name, value", [
+    ("eps", -1.0), ("momentum", 1.5), ("momentum", 1.0), ("clipping_threshold", -1.0),
+    ("clipping_threshold", 0.0), ("min_parameter_scale", -1.0), ("max_parameter_scale", 0.0),
+    ("decay_rate", -0.8), ("decay_rate", 0.0)])
+def test_an_injected_value_out_of_its_range_is_skipped_and_named(name, value):
+  # Construction refuses each of these as a number; injected between steps they trained
+  # on silently (momentum 1.5 turned the update round, a negative threshold unclipped it).
+  params = _params()
+  tx = optax.inject_hyperparams(osf.safefactor)(learning_rate=0.1, momentum=0.5,
+                                                max_parameter_scale=10.0)
+  state = tx.init(params)
+  state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
+  updates, state = jax.jit(tx.update)(_grads(), state, params)
+  assert all(not np.any(update) for update in jax.tree.leaves(updates))
+  # The hyperparameter first; leaves it made non-finite (eps=-1's statistics) after it.
+  assert osf.nonfinite_summary(state).startswith(
+      f"skipped 1 of 1 step (1 in a row); non-finite: hyperparameter {name} x1 (last at step "
+      f"0), {SOURCES}")
+
+
+def test_a_beta2_schedule_outside_0_1_is_skipped_and_named():
+  # A weight of 1.5 on the old statistics is no moving average (the new square's weight is
+  # -0.5); every value is finite, so only the range names it.
+  tx = osf.scale_by_safe_factored_rms(
+      decay_rate_fn=lambda step, rate: jnp.where(step >= 1, 1.5, 0.5), skip_nonfinite_steps=True)
+  _, state, _ = run_steps(tx, _params(), lambda step: _grads(), 3)
+  assert osf.nonfinite_summary(state) == (
+      f"skipped 2 of 3 steps (2 in a row); non-finite: hyperparameter decay_rate x2 (last at "
+      f"step 2), {SOURCES}")
+
+
+def test_an_injected_value_within_its_range_trains_as_a_number_does():
+  params = _params()
+  injected = optax.inject_hyperparams(osf.safefactor)(learning_rate=0.1, momentum=0.5, eps=0.0,
+                                                      decay_rate=0.8)
+  state = injected.init(params)
+  state.hyperparams["momentum"] = jnp.asarray(0.0)
+  updates, state = jax.jit(injected.update)(_grads(), state, params)
+  plain = osf.safefactor(0.1, momentum=0.0, eps=0.0, decay_rate=0.8)
+  expected, _ = jax.jit(plain.update)(_grads(), plain.init(params), params)
+  assert int(osf.skipped_steps(state)) == 0
+  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(got, want)
 
 
 def test_checked_mode_names_the_hyperparameter():

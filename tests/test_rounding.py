@@ -664,6 +664,52 @@ def test_float32_params_are_untouched(mode):
   assert_trees_bitwise_equal(got_state.inner_state, want_state)
 
 
+@pytest.mark.parametrize("mode", write_back.ROUNDING_MODES)
+def test_float32_params_with_bfloat16_grads_get_inners_updates_bit_for_bit(mode):
+  # Their grads reached inner as float32 copies and its float32 updates were cast to the
+  # grads' bfloat16: a float32 master weight lost 0.05% of each update.
+  params = _tree(0, jnp.float32) | {"narrow": jnp.ones((4, 4), jnp.bfloat16)}
+  grads = [jax.tree.map(lambda p, s=s: jnp.full_like(p, 0.1 * s, jnp.bfloat16), params)
+           for s in (1, 2, 3)]
+  inner = optax.adam(1e-3)
+  tx = with_param_rounding(inner, mode, seed=seed_for(mode, 3))
+  got_params, _ = _run(tx, params, grads)
+  without_narrow = {k: v for k, v in params.items() if k != "narrow"}
+  want_params, _ = _run(inner, without_narrow,
+                                 [{k: g[k] for k in without_narrow} for g in grads])
+  assert_trees_bitwise_equal({k: got_params[k] for k in without_narrow}, want_params)
+  assert all(got_params[k].dtype == jnp.float32 for k in without_narrow)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes int and float counts
+    updates, _ = tx.update(grads[0], tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32, updates["w"].dtype
+
+
+@pytest.mark.parametrize("inner, still_grad", [
+    (lambda: osf.skip_nonfinite(optax.sgd(1.0)), jnp.nan),
+    (lambda: optax.apply_if_finite(optax.sgd(1.0), 10), jnp.nan),
+    (lambda: optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2), 0.5),
+], ids=["skip_nonfinite", "apply_if_finite", "MultiSteps"])
+def test_kahan_lands_nothing_on_a_step_with_nothing_to_add(inner, still_grad):
+  # An update of 1.49999 ulp lands one ulp and leaves half an ulp exactly in the
+  # compensation; a zero update (a step the guard inside skipped, a micro-batch) added to
+  # it was a tie that moved the param by another ulp and turned the compensation round.
+  ulp = 2.0**-7
+  tx = with_param_rounding(inner(), mode="kahan")
+  params = {"w": jnp.ones(1, jnp.bfloat16)}
+  state = tx.init(params)
+  grad = {"w": jnp.asarray([-1.49999 * ulp], jnp.float32)}
+  with jax.numpy_dtype_promotion("standard"):  # optax's apply_if_finite mixes int counts
+    for _ in range(2 if "MultiSteps" in str(state) else 1):  # a whole group lands
+      updates, state = tx.update(grad, state, params)
+      params = optax.apply_updates(params, updates)
+    assert float(params["w"][0]) == 1 + ulp
+    compensation = state.compensation["w"]
+    assert float(compensation[0]) == ulp / 2, compensation
+    updates, state = tx.update({"w": jnp.asarray([still_grad], jnp.float32)}, state, params)
+  assert float(updates["w"][0]) == 0.0
+  assert_trees_bitwise_equal(state.compensation["w"], compensation)
+
+
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
 def test_updates_land_on_the_rounded_targets(mode):
   params, grads = _tree(0), _tree(1)

@@ -70,6 +70,18 @@ def test_with_param_rounding_names_a_grad_of_the_wrong_shape(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_with_param_rounding_names_an_inner_update_of_the_wrong_shape(mode):
+  # It broadcast in the write-back, or failed there with a bare "incompatible shapes".
+  halves = optax.GradientTransformation(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None: (jax.tree.map(lambda u: u[:2], updates), state))
+  tx = osf.with_param_rounding(halves, mode=mode)
+  with pytest.raises(ValueError, match=r"params\['w'\]: the inner transformation's update "
+                                       r"has shape \(2, 3\), its param \(4, 3\)"):
+    tx.update(_params(), tx.init(_params()), _params())
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_with_param_rounding_leaves_dtypes_to_the_inner_transformation(mode):
   # The checks refuse non-arrays and wrong shapes only: float32 grads for bfloat16
   # params and an integer leaf that the inner transformation zeroes still work.

@@ -100,9 +100,11 @@ def safefactor(
       choosing the leaves that decay (without ``weight_decay_rate`` it warns that it
       has no effect).
     state_dtype: dtype (or its name) of the second moment; ``None`` for float32 (float64 for
-      float64 params). ``"float16"`` statistics overflow once a gradient element
-      reaches 256 (its square passes float16's largest value), and each such step is
-      skipped as non-finite: ``"bfloat16"`` halves the state with float32's range.
+      float64 params). ``"float16"`` statistics overflow where a new statistic passes
+      65504, float16's largest value (on the first step, a mean of squared gradients
+      over a row or column of 256**2: gradients of 256 throughout it; later steps weigh
+      the new squares by ``1 - beta2``, so the bound grows with the step), and each such
+      step is skipped as non-finite: ``"bfloat16"`` halves the state with float32's range.
     beta2_cap: an upper bound on beta2, as big_vision's 0.999; ``None`` for none.
     min_parameter_scale: the smallest parameter scale (``optax``'s 1e-3).
     max_parameter_scale: the largest parameter scale, or ``None``. Below

@@ -275,7 +275,8 @@ def check_has_compensation(state_compensation: Any, keeps: bool, param_rounding:
   if keeps:
     raise ValueError(
         f"this optimizer has {setting}='kahan', but the optimizer state holds no "
-        f"compensation (it was made with {setting}='nearest' or 'stochastic'): make the "
+        f"compensation (it was made with {setting}='nearest' or 'stochastic', or for params "
+        "without a bfloat16 or float16 leaf): make the "
         "state with this optimizer's init, or keep its statistics and start the compensation "
         "at zero, as init does: state = state._replace(compensation=jax.tree.map(lambda p: "
         f"jnp.zeros_like(p) if p.dtype in (jnp.bfloat16, jnp.float16) else None, params)) "

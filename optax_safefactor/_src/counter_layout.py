@@ -10,6 +10,7 @@ unchanged, so these two functions are all a 0.2 checkpoint needs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from optax_safefactor._src.counters import (
     SkipNonfiniteState,
 )
 from optax_safefactor._src.guard import injected_hyperparams
+from optax_safefactor._src.placement import is_box
 from optax_safefactor._src.schedules import CHECKED_HYPERPARAMS
 from optax_safefactor._src.transform import AdafactorState
 from optax_safefactor._src.trees import find_all
@@ -55,15 +57,65 @@ def _hyperparam_counts(guard: SkipNonfiniteState) -> HyperparamCounts | None:
     return guard.nonfinite_hyperparams
   names = (CHECKED_HYPERPARAMS if isinstance(guard.inner_state, AdafactorState)
            else tuple(injected_hyperparams(guard.inner_state)))
-  return HyperparamCounts.zeros(names) if names else None
+  return _zeros_in_boxes(names, _first_box(guard.nonfinite_steps)) if names else None
+
+
+# nnx.Optimizer keeps every state array in a box (an ``OptArray``): a conversion keeps
+# the box, so that the converted state can go back into the optimizer.
+
+
+def _first_box(tree: Any) -> Any:
+  return next((leaf for leaf in jax.tree.leaves(tree, is_leaf=is_box) if is_box(leaf)), None)
+
+
+def _zeros_in_boxes(names: tuple[str, ...], box: Any) -> HyperparamCounts:
+  """No hyperparameter counted yet, each array in a box like ``box`` (if one)."""
+  zeros = HyperparamCounts.zeros(names)
+  if box is None:
+    return zeros
+  return dataclasses.replace(zeros, counts=box.replace(value=zeros.counts),
+                             last_step=box.replace(value=zeros.last_step))
 
 
 def _to_vector(counts: Any) -> LeafCounts:
-  return counts if isinstance(counts, LeafCounts) else LeafCounts.from_per_leaf(counts)
+  if isinstance(counts, LeafCounts):
+    return counts
+  vector = LeafCounts.from_per_leaf(counts)
+  box = _first_box(counts)
+  return vector if box is None else dataclasses.replace(vector,
+                                                        counts=box.replace(value=vector.counts))
 
 
 def _to_tree(counts: Any) -> Any:
-  return counts.per_leaf() if isinstance(counts, LeafCounts) else counts
+  if not isinstance(counts, LeafCounts):
+    return counts
+  if not is_box(counts.counts):
+    return counts.per_leaf()
+  return jax.tree.map(lambda scalar: counts.counts.replace(value=scalar), counts.per_leaf())
+
+
+_GUARD_FIELDS = frozenset({"inner_state", "nonfinite_steps", "last_nonfinite_step"})
+
+
+def _refuse_guards_as_mappings(opt_state: Any, function: str) -> None:
+  """A guard flattened into a mapping (``nnx.state`` of an optimizer gives one) is not
+  recognised as a guard, so nothing in it would be converted: refused, not passed over."""
+  def look(node):
+    keys = getattr(node, "keys", None)
+    if callable(keys) and not isinstance(node, COUNTER_TYPES) and set(keys()) >= _GUARD_FIELDS:
+      raise TypeError(
+          f"{function} found a guard's fields ({', '.join(sorted(_GUARD_FIELDS))}) in a "
+          f"mapping ({type(node).__name__}), not in the guard's own state type, so it cannot "
+          f"convert them (nnx.state of an nnx.Optimizer gives such a mapping): convert the "
+          f"optimizer's opt_state instead, optimizer.opt_state = osf.{function}("
+          f"optimizer.opt_state), then take nnx.state or nnx.split of the pair "
+          f"(docs/guides/checkpoints.md)")
+    children, _ = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    if len(children) != 1 or children[0] is not node:
+      for child in children:
+        look(child)
+
+  look(opt_state)
 
 
 def _hyperparams_as_in(opt_state: Any, like_guards: Any) -> Any:
@@ -79,7 +131,8 @@ def _hyperparams_as_in(opt_state: Any, like_guards: Any) -> Any:
       return node._replace(nonfinite_hyperparams=None)
     if isinstance(counts, HyperparamCounts) and counts.names == template.names:
       return node
-    return node._replace(nonfinite_hyperparams=HyperparamCounts.zeros(template.names))
+    return node._replace(nonfinite_hyperparams=_zeros_in_boxes(template.names,
+                                                               _first_box(template.counts)))
 
   return jax.tree.map(convert, opt_state, is_leaf=lambda x: isinstance(x, SkipNonfiniteState))
 
@@ -125,7 +178,10 @@ def migrate_from_0_2(opt_state: Any, like: Any = None) -> Any:
 
   Raises:
     ValueError: when ``like`` holds another number of guards than ``opt_state``.
+    TypeError: when a guard's fields come as a mapping (``nnx.state`` of an
+      ``nnx.Optimizer``): convert ``optimizer.opt_state`` instead.
   """
+  _refuse_guards_as_mappings(opt_state, "migrate_from_0_2")
   migrated = _convert_counters(opt_state, _to_vector, _hyperparam_counts)
   if like is None:
     return migrated
@@ -150,6 +206,12 @@ def state_in_0_2_layout(opt_state: Any) -> Any:
     opt_state: an optimizer state (or its abstract shapes, from ``jax.eval_shape``).
 
   Returns:
-    The state, every guard's per-leaf counters as trees shaped like the params.
+    The state, every guard's per-leaf counters as trees shaped like the params (in the
+    counters' boxes, for an ``nnx.Optimizer``'s state).
+
+  Raises:
+    TypeError: when a guard's fields come as a mapping (``nnx.state`` of an
+      ``nnx.Optimizer``): convert ``optimizer.opt_state`` instead.
   """
+  _refuse_guards_as_mappings(opt_state, "state_in_0_2_layout")
   return _convert_counters(opt_state, _to_tree, lambda guard: None)

@@ -94,24 +94,42 @@ class Hyperparams(NamedTuple):
 # (field, requirement, predicate): each number that arrives concrete is checked once.
 _NUMBER_RULES: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
     ("learning_rate", "finite", math.isfinite),
-    ("decay_rate", "positive and finite", lambda x: 0 < x < math.inf),
+    ("decay_rate", "positive and finite", lambda x: (x > 0) & (x < math.inf)),
     ("min_dim_size_to_factor", "a whole number of at least 1",
      lambda x: 1 <= x < math.inf and x == int(x)),
     # Any positive threshold clips, as optax's does (torch's d below 1 is refused by its
     # preset, as torch refuses it).
     ("clipping_threshold", "positive and finite (or None for no clipping)",
-     lambda x: 0 < x < math.inf),
-    ("momentum", "in [0, 1) (or None)", lambda x: 0 <= x < 1),
-    ("eps", "non-negative and finite", lambda x: 0 <= x < math.inf),
+     lambda x: (x > 0) & (x < math.inf)),
+    ("momentum", "in [0, 1) (or None)", lambda x: (x >= 0) & (x < 1)),
+    ("eps", "non-negative and finite", lambda x: (x >= 0) & (x < math.inf)),
     ("beta2_cap", "in (0, 1] (or None)", lambda x: 0 < x <= 1),
-    ("min_parameter_scale", "non-negative and finite", lambda x: 0 <= x < math.inf),
+    ("min_parameter_scale", "non-negative and finite", lambda x: (x >= 0) & (x < math.inf)),
     ("max_parameter_scale", "positive and finite (or None for no maximum)",
-     lambda x: 0 < x < math.inf),
+     lambda x: (x > 0) & (x < math.inf)),
     ("weight_decay_rate", "finite (or None)", math.isfinite),
     # The step count is int32, and the offset is taken from it in int32.
     ("decay_offset", "a whole number within int32's range",
      lambda x: -2**31 <= x < 2**31 and x == int(x)),
 )
+
+
+#: The hyperparameters whose rule also judges an array at each step (a value that
+#: ``optax.inject_hyperparams`` hands over, which may change between steps): their rules
+#: are written with ``&``, so that they apply to a traced array as to a number.
+RULES_FOR_ARRAYS = ("decay_rate", "momentum", "clipping_threshold", "eps",
+                    "min_parameter_scale", "max_parameter_scale")
+_RULES_BY_FIELD = {field: rule for field, _, rule in _NUMBER_RULES if field in RULES_FOR_ARRAYS}
+
+
+def in_range(field: str, value: Any) -> Any:
+  """Whether ``value`` (a number, or an array: elementwise) meets ``field``'s rule, one of
+  :data:`RULES_FOR_ARRAYS`.
+
+  >>> in_range("momentum", jnp.array([0.0, 0.9, 1.0, jnp.nan])).tolist()
+  [True, True, False, False]
+  """
+  return _RULES_BY_FIELD[field](value)
 
 
 # Counts and steps: a string here is converted with int(), not float().

@@ -365,9 +365,13 @@ def leaf_scaling(
 
   Returns:
     ``(new_moment, scaling, finite)``. ``finite`` is a scalar bool, True exactly when
-    the new statistics, the multiplier and therefore the update are finite: the
+    the new statistics and each factor of the multiplier (the parameter scale's and the
+    clipping's sums; the learning rate is the step's, checked once) are finite: the
     scaled gradient is at most ``|grad| / sqrt(floor)``, and ``|grad|**2`` is part of
-    the statistics. For leaves packed as rows (``leaf.rows_are_leaves``), one per row.
+    the statistics. The product of finite factors is not checked: the flags read the
+    reductions alone (:func:`sum_abs_sq`), so an update overflows unseen only where a
+    learning rate times the params' RMS passes the dtype's largest value. For leaves
+    packed as rows (``leaf.rows_are_leaves``), one per row.
   """
   ct, real_ct, plan = leaf.compute_dtype, leaf.real_dtype, leaf.plan
   per_row = leaf.rows_are_leaves

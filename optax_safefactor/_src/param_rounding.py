@@ -58,6 +58,16 @@ def _widen(tree: Any) -> Any:
   )
 
 
+def _widen_grads(grads: Any, params: Any) -> Any:
+  """The grads ``inner`` sees: float32 copies where the param is narrow (or, without
+  params, where the grad is); the grad of a wide param as it is, so that ``inner`` steps
+  that param exactly as it would unwrapped."""
+  if params is None:
+    return _widen(grads)
+  return jax.tree.map(lambda grad, param: _widen(grad) if _is_narrow(param) else grad,
+                      grads, params)
+
+
 def _skipped_inside(old_inner: Any, new_inner: Any) -> jax.Array:
   """Whether a guard inside the wrapped transformation skipped this step: one of this
   package's counted a skip, or an ``optax.apply_if_finite`` found the step non-finite."""
@@ -92,9 +102,10 @@ def with_param_rounding(
     under ``jax.jit`` with Explicit mesh axes; with Auto axes a jitted ``init``
     needs ``out_shardings`` (the first jitted update places it like the param).
 
-  float32 and float64 params are untouched by every mode: their updates are
-  ``inner``'s, bit for bit. Updates are in the gradient dtype for them and in the
-  param dtype for narrow params.
+  float32 and float64 params are untouched by every mode: their gradients reach
+  ``inner`` as they come (bfloat16 ones included) and their updates are ``inner``'s, bit
+  for bit, in ``inner``'s dtype. A narrow param's update is in the param dtype, or with
+  ``"nearest"`` in the gradient dtype, as optax casts it.
 
   Nothing after this transformation in a chain may change a non-zero update (no
   scaling, clipping or weight decay after it): the update is only right as given.
@@ -186,10 +197,17 @@ def with_param_rounding(
           flat_params, params_def.flatten_up_to(stored), strict=True):
         checks.check_leaf_compensation(path, param, compensation)
     inner_updates, inner_state = inner.update(
-        _widen(updates), state.inner_state, None if params is None else _widen(params),
-        **extra_args,
+        _widen_grads(updates, params), state.inner_state,
+        None if params is None else _widen(params), **extra_args,
     )
     checks.check_same_structure(updates, inner_updates, "the inner transformation's updates")
+    # A wrong shape would broadcast in the write-back, or fail there without a path.
+    for (path, grad), update in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
+                                    jax.tree.leaves(inner_updates), strict=True):
+      if tuple(update.shape) != tuple(grad.shape):
+        raise ValueError(
+            f"{checks.path_name(path)}: the inner transformation's update has shape "
+            f"{tuple(update.shape)}, its param {tuple(grad.shape)}")
 
     # A wide param is never rounded: no bits, no compensation.
     narrow_params = jax.tree.map(lambda p: p if _is_narrow(p) else None,
@@ -202,11 +220,14 @@ def with_param_rounding(
         [None if param is None else write_back.rounding_for(mode, seed, state.count, path)
          for path, param in zip(paths, flat_params, strict=True)],
         [write_back.streams_to_round(param) for param in flat_params])
+    wide = [params is not None and param is None for param in flat_params]
     written = jax.tree.unflatten(treedef, [
-        write_back.write_back(update, param, _dtype(grad), how, compensation)
-        for grad, update, param, how, compensation in zip(
+        # A wide param's update is inner's as it is.
+        (update, compensation) if is_wide
+        else write_back.write_back(update, param, _dtype(grad), how, compensation)
+        for grad, update, param, how, compensation, is_wide in zip(
             grads, treedef.flatten_up_to(inner_updates), flat_params,
-            roundings, treedef.flatten_up_to(stored if keeps_compensation else none_tree),
+            roundings, treedef.flatten_up_to(stored if keeps_compensation else none_tree), wide,
             strict=True)])
     new_updates, new_compensation = unzip_leaf_results(updates, written, 2)
     return new_updates, ParamRoundingState(

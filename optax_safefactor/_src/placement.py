@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -284,7 +285,9 @@ def state_partition_specs(
 
   Raises:
     ValueError: naming the param, when ``param_specs`` does not hold one
-      ``PartitionSpec`` per param.
+      ``PartitionSpec`` per param, when a spec has more entries than its param has axes,
+      or when it names an axis that ``mesh`` does not have.
+    TypeError: naming the param, when its spec is not a ``PartitionSpec``.
   """
   # A flax box (nnx.Param, linen Partitioned) is one param; a spec may come boxed too
   # (nnx.get_partition_spec gives each spec in its Param).
@@ -299,6 +302,8 @@ def state_partition_specs(
                                                                            is_leaf=is_box):
     raise ValueError("param_specs must hold one PartitionSpec per param, shaped like params; "
                      f"got {jax.tree.structure(param_specs)}")
+  jax.tree_util.tree_map_with_path(partial(_check_spec, mesh), params, param_specs,
+                                   is_leaf=is_box)
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
   abstract_state = jax.eval_shape(optimizer.init, shapes)
 
@@ -319,6 +324,24 @@ def state_partition_specs(
   if mesh is None:
     return specs
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def _check_spec(mesh: jax.sharding.Mesh | None, path: Any, param: Any, spec: Any) -> None:
+  """A spec that cannot place its param is refused here, naming the param, rather than
+  failing inside the optimizer's traced init or JAX's sharding code without a path."""
+  spec, shape = unbox(spec), unbox(param).shape
+  where = f"param_specs{jax.tree_util.keystr(path)}"
+  if not isinstance(spec, PartitionSpec):
+    raise TypeError(f"{where} must be a PartitionSpec, got {type(spec).__name__}: {spec!r}")
+  if len(spec) > len(shape):
+    raise ValueError(f"{where} is {spec} with {len(spec)} entries, for a param of shape "
+                     f"{tuple(shape)} (rank {len(shape)})")
+  if mesh is not None:
+    for entry in spec:
+      for name in entry if isinstance(entry, tuple) else (entry,):
+        if isinstance(name, str) and name not in mesh.axis_names:
+          raise ValueError(f"{where} is {spec}: the mesh has no axis {name!r} (its axes: "
+                           f"{', '.join(map(repr, mesh.axis_names))})")
 
 
 def _mesh_is_trivial(mesh: Any) -> bool:

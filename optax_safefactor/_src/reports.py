@@ -69,8 +69,9 @@ def nonfinite_steps_error(consecutive: int, step: int, bad_leaves: list[str],
 leaves were: ['w']. Params and optimizer state hold the last finite step.
   >>> print(nonfinite_steps_error(2, 4, [], 2, bad_hyperparams=["learning_rate"]))
   2 consecutive optimizer steps were non-finite and skipped (max_consecutive=2); at step 4 \
-the non-finite hyperparameters were: learning_rate (a schedule's value or an injected one), \
-and no leaf was. Params and optimizer state hold the last finite step.
+the non-finite hyperparameters were: learning_rate (a schedule's value or an injected one, \
+non-finite or out of its range), and no leaf was. Params and optimizer state hold the last \
+finite step.
   """
   words = _WORDING[kind]
   # max_consecutive=1 stops at the first skip: "1 consecutive steps were" is wrong twice.
@@ -87,8 +88,9 @@ and no leaf was. Params and optimizer state hold the last finite step.
   )
 
 
-# Where a non-finite hyperparameter comes from, for the error and the summary.
-HYPERPARAM_SOURCES = "a schedule's value or an injected one"
+# Where a non-finite hyperparameter comes from, for the error and the summary; an
+# array's value is also judged against the range construction requires of a number.
+HYPERPARAM_SOURCES = "a schedule's value or an injected one, non-finite or out of its range"
 
 
 def _labelled(records: list[GuardRecord]) -> list[tuple[int, str, GuardRecord]]:

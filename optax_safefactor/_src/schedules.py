@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_safefactor._src import hyperparams as rules
 from optax_safefactor._src import xla_hints
 from optax_safefactor._src.hyperparams import Hyperparams
 
@@ -98,8 +99,10 @@ CHECKED_HYPERPARAMS = ("learning_rate", "weight_decay_rate", "decay_rate", "mome
 
 def _finite_flags(values: dict[str, Any], real_dtypes: set[np.dtype]) -> dict[str, Any]:
   """Per name, whether its value (a number, an array or ``None``) is finite in every real
-  dtype the step computes in (1e39 is not, in float32): a plain bool where that is known
-  now, else a bool scalar. Plain loops: this runs at every step, for every hyperparameter."""
+  dtype the step computes in (1e39 is not, in float32), and an array within the range
+  that construction requires of a number (an injected ``eps=-1`` or ``momentum=1.5``
+  would train on silently): a plain bool where that is known now, else a bool scalar.
+  Plain loops: this runs at every step, for every hyperparameter."""
   dtypes = sorted(real_dtypes, key=str)
   flags = {}
   for name, value in values.items():
@@ -109,6 +112,8 @@ def _finite_flags(values: dict[str, Any], real_dtypes: set[np.dtype]) -> dict[st
       checked = []
       for dtype in dtypes or [np.dtype(np.float32)]:  # float32 for a tree of no leaves
         checked.append(jnp.all(jnp.isfinite(value.astype(dtype))))
+      if name in rules.RULES_FOR_ARRAYS:
+        checked.append(jnp.all(rules.in_range(name, value)))
       flags[name] = jnp.all(jnp.stack(checked))
     else:
       finite = True
@@ -169,11 +174,15 @@ def _read_by_every_leaf(*values: Any) -> Any:
 
 
 def _beta2_finite(hp: Hyperparams, beta2: dict[np.dtype, jax.Array]) -> jax.Array | bool:
-  """Whether this step's beta2 is finite; True when it is made from numbers checked at
-  construction by the power schedule, which is finite for every step."""
+  """Whether this step's beta2 is finite and in [0, 1] (a moving average's weight), and an
+  injected ``decay_rate`` positive; True when it is made from numbers checked at
+  construction by the power schedule, which is in [0, 1) for every step."""
   made_of_numbers = hp.decay_rate_fn is None and not any([
       isinstance(value, (jax.Array, jax.core.Tracer))
       for value in (hp.decay_rate, hp.decay_offset, hp.beta2_cap)])
   if made_of_numbers or not beta2:
     return True
-  return jnp.all(jnp.stack([jnp.isfinite(value) for value in beta2.values()]))
+  flags = [jnp.isfinite(value) & (value >= 0) & (value <= 1) for value in beta2.values()]
+  if isinstance(hp.decay_rate, (jax.Array, jax.core.Tracer)):
+    flags.append(rules.in_range("decay_rate", hp.decay_rate))
+  return jnp.all(jnp.stack(flags))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, numerics
+from optax_safefactor._src import checks, numerics, placement
 
 # The standard deviation is at least this fraction of the mean's magnitude: over a nearly
 # constant history, with skip_spikes=6, no value within 12% of the mean is a spike.
@@ -279,14 +279,6 @@ def _squares(kind: str, values: jax.Array, columns: Any, eps: Any) -> jax.Array:
   return values.astype(jnp.float32)
 
 
-def _explicitly_sharded(x: jax.Array) -> bool:
-  """Whether ``x`` is a tracer sharded over explicit mesh axes (Auto axes do not say)."""
-  if not isinstance(x, jax.core.Tracer):
-    return False
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  return spec is not None and any(axis is not None for axis in spec)
-
-
 def _reduced(source: SquareSource, eps: Any) -> SquareSource:
   return SquareSource("sum", jnp.sum(_squares(source.kind, source.values, source.columns, eps)))
 
@@ -305,9 +297,10 @@ def sums_by_leaf(sources: list[SquareSource], eps: jax.typing.ArrayLike = 0.0) -
   Array([ 5., 20.,  7.], dtype=float32)
   """
   sums = jnp.zeros([len(sources)], jnp.float32)
-  # A leaf sharded over explicit mesh axes is reduced on its own (its sum is replicated):
-  # a concatenation with other leaves would mix shardings, which explicit axes refuse.
-  sources = [_reduced(source, eps) if _explicitly_sharded(source.values) else source
+  # A leaf that may be sharded is reduced on its own (its sum is replicated): a
+  # concatenation with other leaves would mix shardings, which explicit mesh axes refuse
+  # and Auto axes resolve by gathering the sharded leaf onto every device.
+  sources = [source if placement.is_replicated(source.values) else _reduced(source, eps)
              for source in sources]
   groups: dict[tuple[str, Any], list[int]] = {}
   for index, source in enumerate(sources):

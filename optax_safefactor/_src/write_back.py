@@ -260,7 +260,8 @@ def kahan_write_back(
 
   With ``y = exact_update + compensation`` (wide) and ``exact = param + y``:
   ``target = nearest(exact)`` (saturated), ``update = landing_update(param, target)``
-  and ``new_compensation = exact - landed(param, update)``, in the param dtype. The
+  and ``new_compensation = exact - landed(param, update)``, in the param dtype; where
+  ``exact_update`` is zero, no update and the compensation as it was. The
   compensation holds the true remainder even where the landing misses the target
   (near zero, on a sign change), so nothing is lost but the rounding of the
   compensation itself: a bfloat16 buffer keeps about 8 more bits, so updates below
@@ -298,7 +299,15 @@ def kahan_write_back(
   # ulp (or by what ``exact`` passed the largest value), each under 2**-7 of that value.
   # float16's range is smaller than a float32 ``exact`` can be: there it is clamped.
   same_range = jnp.finfo(dtype).maxexp == jnp.finfo(wide).maxexp
-  return exact_cast(update, dtype), round_to_nearest(remainder, dtype, saturating=not same_range)
+  update, remainder = exact_cast(update, dtype), round_to_nearest(remainder, dtype,
+                                                                  saturating=not same_range)
+  # A zero update leaves param and compensation as they are. Rounded to nearest, a
+  # compensation can be half an ulp exactly: added to nothing it is a tie, which could
+  # move the param by an ulp on a step that has nothing to add (one a guard skipped, a
+  # micro-batch of an accumulation, a dead unit's).
+  still = exact_update == 0
+  return (jnp.where(still, jnp.zeros((), dtype), update),
+          jnp.where(still, compensation, remainder))
 
 
 def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
