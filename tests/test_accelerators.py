@@ -399,6 +399,22 @@ def test_max_consecutive_skips_compiles_for_a_tpu_not_for_a_deviceless_gpu(targe
       compiled.compile_for(target, tx, _small_tree())
 
 
+@pytest.mark.parametrize("name", ACCELERATORS)
+def test_the_bench_needs_no_platform_chosen_for_it(name):
+  # Without JAX_PLATFORMS=cpu the CUDA plugin looked for a GPU and logged two tracebacks
+  # (for a TPU target), and a GPU target was refused; the bench now chooses the platform.
+  _required(name)
+  env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+  result = subprocess.run(
+      [sys.executable, "-m", "optax_safefactor", "bench", "--target", name,
+       "--trees", "scanned-24", "--scale", "0.05", "--dtypes", "float32",
+       "--configs", "default"],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert f"| {name} | scanned-24" in result.stdout
+
+
 def test_the_bench_takes_compile_times_from_fresh_processes(tmp_path):
   # --processes 2: the rows of two new processes, one program, each compile time kept.
   target = _required("tpu-v5e")

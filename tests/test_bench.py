@@ -52,6 +52,13 @@ def test_processes_belong_to_an_accelerator_target(tmp_path):
   assert "--processes is for an accelerator --target" in result.stderr
 
 
+def test_repetitions_belong_to_the_cpu(tmp_path):
+  # They were ignored for an accelerator target, which compiles each step once.
+  result = _bench("--target", "tpu-v5e", "--repetitions", "3", cwd=tmp_path)
+  assert result.returncode == 2
+  assert "--repetitions is for the CPU" in result.stderr
+
+
 def test_processes_combine_into_medians_of_one_program():
   row = {"config": "default", "optimizer": "safefactor", "passes": 5.9, "temp": 0.01,
          "fusions": 9}

@@ -320,6 +320,22 @@ def test_spike_panel_marks_the_spike_and_names_the_skip():
     plt.close(figure)
 
 
+def test_a_spike_panel_of_a_run_that_ends_first_names_no_spike():
+  # Its title named "a 50x gradient at step 100" for a run of 2 steps (no mark, no spike).
+  import matplotlib.pyplot as plt
+
+  same = dict(learning_rate=1e-3, comparison="spike")
+  results = [_result("optax.adafactor", "float32", demo.SPIKE_AT, **same),
+             _result("safefactor (skip_spikes=6)", "float32", demo.SPIKE_AT, **same)]
+  figure = demo.loss_figure(results)
+  try:
+    (axis,) = figure.axes
+    assert axis.get_title().startswith(
+        "no spike: the run ends before step 100 (float32, lr 0.001)"), axis.get_title()
+  finally:
+    plt.close(figure)
+
+
 def _visible(line) -> bool:
   """Whether a plotted curve shows: a marker on a finite point, or two finite points in a row."""
   finite = np.isfinite(np.asarray(line.get_ydata(), float))

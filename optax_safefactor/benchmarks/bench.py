@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
            "and a different step is measured (the 1B slice's large layers stay factored "
            "down to 0.0625, the 600-leaf tree is factored only from 1.0) (1.0)")
   parser.add_argument(
-      "--repetitions", type=common.REPETITIONS, default=5, metavar="N",
+      "--repetitions", type=common.REPETITIONS, default=None, metavar="N",
       help="timed rounds after one untimed warm-up round; a round runs every optimizer "
            "and the scale-copy once, interleaved. Medians and the min / max spread are "
            "over these rounds; 3 or more to see the noise (5)")
@@ -319,9 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="where to measure: cpu runs and times the steps on this machine; tpu-v5e, "
            "tpu-v6e, tpu-v5p, tpu-v4, h100 and a100 compile them for that accelerator "
            "without one and report the compiler's figures (memory traffic in passes over "
-           "the params, temporaries, fusions, compile time), never run; these need the "
-           "accel extra (pip install 'optax-safefactor[accel]') and, for h100 and a100, "
-           "JAX_PLATFORMS=cpu (cpu)")
+           "the params, temporaries, fusions, compile time), never run, with JAX on its CPU "
+           "platform; these need the accel extra (pip install 'optax-safefactor[accel]') "
+           "(cpu)")
   parser.add_argument(
       "--configs", nargs="+", choices=list(compiled.CONFIGS), default=None, metavar="CONFIG",
       help="with an accelerator --target, safefactor's configurations to compile, any of: "
@@ -350,7 +350,16 @@ def main(argv: Sequence[str] | None = None) -> int:
       return common.fail(parser.prog, f"cannot write --json {args.json}: {problem}")
   target = targets.TARGETS[args.target]
   if target.platform != "cpu":
+    if args.repetitions is not None:
+      return common.fail(parser.prog, "--repetitions is for the CPU: an accelerator --target "
+                         "compiles each step once per process (--processes N for more)")
+    if not jax.config.jax_platforms:
+      # The compiler needs no accelerator: JAX on its CPU platform, chosen before it starts
+      # a backend, so that the accel extra's CUDA plugin does not look for a GPU (and log
+      # two tracebacks) and the GPU targets' deviceless topology is allowed.
+      jax.config.update("jax_platforms", "cpu")
     return _main_compiled(parser, args, target)
+  args.repetitions = 5 if args.repetitions is None else args.repetitions
   if args.configs is not None:
     return common.fail(parser.prog, "--configs is for an accelerator --target: on the CPU "
                        "every configuration is timed")

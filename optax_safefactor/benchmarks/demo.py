@@ -303,8 +303,10 @@ def _panels(results: Sequence[RunResult]):
     # Smoothed too: after the spike, optax's curve falls behind by less than one step's
     # noise at first.
     window = min(SPIKE_MEAN, min(len(r.losses) for r in spike) // 2)
-    title = (f"a {SPIKE_FACTOR:g}x gradient at step {SPIKE_AT} "
-             f"({spike[0].dtype}, lr {spike[0].learning_rate:g})")
+    reached = min(len(r.losses) for r in spike) > SPIKE_AT
+    title = (f"a {SPIKE_FACTOR:g}x gradient at step {SPIKE_AT} " if reached
+             else f"no spike: the run ends before step {SPIKE_AT} ")
+    title += f"({spike[0].dtype}, lr {spike[0].learning_rate:g})"
     if window > 1:
       title += f"\n(mean of {window} steps)"
     panels.append((title, spike, max(window, 1)))
@@ -502,7 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--steps", type=int, default=STEPS, metavar="N",
                       help=f"training steps per run, at least 2 ({STEPS})")
   parser.add_argument("--dtype", choices=("float16", "bfloat16", "both"), default="both",
-                      help="parameter dtype (both)")
+                      help="the params' dtype in the first comparison, against optax.adafactor "
+                           "at lr 1e-2; the write-back comparison trains bfloat16 and float32 "
+                           "params and the spike comparison float32 ones, whatever this is "
+                           "(both)")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("safefactor-demo"),
                       metavar="DIR",
                       help="folder for the plot, created if missing (./safefactor-demo)")
