@@ -299,8 +299,8 @@ def kahan_write_back(
   # ulp (or by what ``exact`` passed the largest value), each under 2**-7 of that value.
   # float16's range is smaller than a float32 ``exact`` can be: there it is clamped.
   same_range = jnp.finfo(dtype).maxexp == jnp.finfo(wide).maxexp
-  update, remainder = exact_cast(update, dtype), round_to_nearest(remainder, dtype,
-                                                                  saturating=not same_range)
+  update = exact_cast(update, dtype)
+  remainder = round_to_nearest(remainder, dtype, saturating=not same_range)
   # A zero update leaves param and compensation as they are. Rounded to nearest, a
   # compensation can be half an ulp exactly: added to nothing it is a tie, which could
   # move the param by an ulp on a step that has nothing to add (one a guard skipped, a
