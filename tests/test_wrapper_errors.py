@@ -70,14 +70,17 @@ def test_with_param_rounding_names_a_grad_of_the_wrong_shape(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_with_param_rounding_names_an_inner_update_of_the_wrong_shape(mode):
+@pytest.mark.parametrize("reshape, shape", [
+    (lambda u: u[:2], r"\(2, 3\)"), (lambda u: jnp.concatenate([u, u]), r"\(8, 3\)")],
+    ids=["smaller", "larger"])
+def test_with_param_rounding_names_an_inner_update_of_the_wrong_shape(mode, reshape, shape):
   # It broadcast in the write-back, or failed there with a bare "incompatible shapes".
-  halves = optax.GradientTransformation(
+  reshaped = optax.GradientTransformation(
       lambda params: optax.EmptyState(),
-      lambda updates, state, params=None: (jax.tree.map(lambda u: u[:2], updates), state))
-  tx = osf.with_param_rounding(halves, mode=mode)
+      lambda updates, state, params=None: (jax.tree.map(reshape, updates), state))
+  tx = osf.with_param_rounding(reshaped, mode=mode)
   with pytest.raises(ValueError, match=r"params\['w'\]: the inner transformation's update "
-                                       r"has shape \(2, 3\), its param \(4, 3\)"):
+                                       rf"has shape {shape}, its param \(4, 3\)"):
     tx.update(_params(), tx.init(_params()), _params())
 
 
