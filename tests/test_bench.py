@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optax_safefactor.benchmarks import accumulate, bench, common, rounding, targets, trees
+from optax_safefactor.benchmarks import (
+    accumulate,
+    bench,
+    common,
+    compiled,
+    rounding,
+    targets,
+    trees,
+)
 from optax_safefactor.benchmarks.bench import minimum_traffic_bytes
 from optax_safefactor.benchmarks.compiled import markdown_rows, median_of_processes
 
@@ -223,6 +231,17 @@ def test_legend_notes_what_makes_a_run_hard_to_read():
   assert "Note" not in bench.legend([row])
   rows = [{**row, "bandwidth_fraction": 1.1}] * 2
   assert "2 rows above 100% bandwidth" in " ".join(bench.legend(rows).split())
+
+
+def test_the_compiled_legend_notes_trees_with_no_factored_leaf():
+  # The accelerator rows printed no such note: a run at a small --scale compiled a
+  # different step (full-size second moments) than the one its table seemed to show.
+  rows = [{"tree": "scanned-24", "factored_leaves": 0}, {"tree": "gpt2-small",
+                                                         "factored_leaves": 50}]
+  text = " ".join(compiled.legend(rows).split())
+  assert "Note: no leaf of scanned-24 is factored at this --scale" in text
+  assert "gpt2-small" not in text
+  assert compiled.legend(rows[1:]) == compiled.LEGEND
 
 
 def test_json_under_a_file_names_the_file(tmp_path, capsys, monkeypatch):

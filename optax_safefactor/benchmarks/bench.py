@@ -426,7 +426,7 @@ def _main_compiled(parser: argparse.ArgumentParser, args: argparse.Namespace,
       if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
   print()
-  print(compiled.LEGEND)
+  print(compiled.legend(rows))
   return 0
 
 

@@ -22,6 +22,7 @@ one device of the target (``targets.devices``).
 from __future__ import annotations
 
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 
@@ -91,6 +92,8 @@ def measure(target_name: str, tree: str, dtype_name: str, scale: float,
             configs: Sequence[str], progress: Callable[[str], None] = lambda _: None
             ) -> list[dict]:
   """One row per optimizer and configuration: see the module's docstring."""
+  from optax_safefactor.benchmarks import bench
+
   target = targets.TARGETS[target_name]
   shapes = trees.shape_structs(tree, scale, dtype_name)
   param_bytes = common.nbytes(shapes)
@@ -101,6 +104,7 @@ def measure(target_name: str, tree: str, dtype_name: str, scale: float,
     if ("optax.adafactor", optax_name) not in candidates:
       candidates[("optax.adafactor", optax_name)] = optax.adafactor(1e-3, momentum=momentum)
     candidates[("safefactor", name)] = osf.safefactor(1e-3, **CONFIGS[name])
+  factored_leaves = sum(bench.is_factored(shapes))
   rows = []
   for (optimizer, config), tx in candidates.items():
     progress(f"{target.name} {tree} {dtype_name} {config}: {optimizer}")
@@ -112,6 +116,7 @@ def measure(target_name: str, tree: str, dtype_name: str, scale: float,
         "target": target.name, "tree": tree, "dtype": dtype_name, "config": config,
         "optimizer": optimizer, "params": common.count(shapes),
         "leaves": len(jax.tree.leaves(shapes)),
+        "factored_leaves": factored_leaves,
         "passes": targets.traffic_bytes(target, compiled) / param_bytes,
         "temp": (None if memory is None else memory.temp_size_in_bytes / param_bytes),
         "fusions": targets.fusions(text), "compile_s": seconds,
@@ -225,4 +230,20 @@ skip's check). temporaries: XLA's temporary buffers / the params' bytes. compile
 lower and compile in this process (one compile each: tens of percent between runs), or with
 --processes N the median over N fresh processes, each starting at another configuration,
 with the least and the most of the processes' ratios."""
+
+
+def legend(rows: Sequence[dict]) -> str:
+  """:data:`LEGEND`, and a note naming the trees of ``rows`` that have no factored leaf.
+
+  >>> print(legend([{"tree": "gpt2-small", "factored_leaves": 0}]).splitlines()[-2])
+  Note: no leaf of gpt2-small is factored at this --scale: every second moment is full size, so
+  """
+  unfactored = sorted({row["tree"] for row in rows if row["factored_leaves"] == 0})
+  if not unfactored:
+    return LEGEND
+  note = (f"no leaf of {', '.join(unfactored)} is factored at this --scale: every second "
+          "moment is full size, so these rows do not measure the factored step that "
+          "full-size models take.")
+  return LEGEND + "\n" + textwrap.fill(note, width=96, initial_indent="Note: ",
+                                        subsequent_indent="  ")
 
