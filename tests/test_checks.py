@@ -178,6 +178,25 @@ def test_a_state_cast_whole_is_refused_naming_its_counter(name):
     tx.update(params, _cast(tx.init(params), jnp.bfloat16), params)
 
 
+@pytest.mark.parametrize("wrapper", ["with_param_rounding", "skip_nonfinite",
+                                     "accumulate_gradients"])
+def test_a_wrappers_cast_counter_gets_no_advice_for_settings_its_inner_lacks(wrapper):
+  # A wrapper's cast counter was told to build the optimizer with state_dtype='bfloat16'
+  # and dtype_momentum=..., settings of safefactor's that optax.adam (inside) has not.
+  wrappers = {"with_param_rounding": lambda tx: osf.with_param_rounding(tx, "kahan"),
+              "skip_nonfinite": osf.skip_nonfinite,
+              "accumulate_gradients": lambda tx: osf.accumulate_gradients(tx, 2)}
+  tx = wrappers[wrapper](optax.adam(1e-3))
+  params = {"w": jnp.ones((4,), jnp.bfloat16)}
+  with pytest.raises(TypeError, match="cast only the floating leaves") as refused:
+    tx.update(params, _cast(tx.init(params), jnp.bfloat16), params)
+  assert "state_dtype" not in str(refused.value) and "momentum" not in str(refused.value)
+  # safefactor's own state, cast whole, is told of its settings.
+  tx = osf.safefactor(0.1)
+  with pytest.raises(TypeError, match=r"cast only the floating leaves.*state_dtype='bfloat16'"):
+    tx.update(params, _cast(tx.init(params), jnp.bfloat16), params)
+
+
 @pytest.mark.parametrize("guard", ["safefactor", "skip_nonfinite", "accumulate_gradients"])
 def test_a_cast_guard_counter_is_refused_before_any_leaf_is_stepped(guard, monkeypatch):
   # The guards' counters were checked only when they were counted, after every leaf's

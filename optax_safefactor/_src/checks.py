@@ -186,17 +186,19 @@ _NARROW_STATE_HINT = (
 )
 
 
-def check_counters(state: Any, fields: tuple[str, ...]) -> None:
+def check_counters(state: Any, fields: tuple[str, ...], safefactors: bool = False) -> None:
   """The counters of a state (its ``fields``, each a scalar or a tree of scalars) must be
   int32: ``TypeError`` naming the counter.
 
   A counter cast to bfloat16 with the rest of a state stops at 256 (bfloat16 has 8 bits
   of precision), and every report built on it says too little; float32 stops at 2**24.
+  ``safefactors``: the state is safefactor's own, so its dtype settings are the advice
+  (a wrapper's inner transformation may have no such settings).
 
   >>> import jax.numpy as jnp
   >>> from optax_safefactor._src.transform import AdafactorState
   >>> state = AdafactorState(jnp.zeros([], jnp.bfloat16), {})
-  >>> check_counters(state, ("count",))
+  >>> check_counters(state, ("count",), safefactors=True)
   Traceback (most recent call last):
   ...
   TypeError: AdafactorState.count: a counter must stay int32, got bfloat16 (a bfloat16
@@ -213,7 +215,8 @@ def check_counters(state: Any, fields: tuple[str, ...]) -> None:
         raise TypeError(f"{where}: a counter must stay int32, got {np.dtype(dtype).name}"
                         f"{stops}; cast only the floating leaves of a state (jax.tree.map("
                         "lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, "
-                        f"jnp.floating) else x, opt_state)), or, {_NARROW_STATE_HINT}")
+                        "jnp.floating) else x, opt_state))"
+                        + (f", or, {_NARROW_STATE_HINT}" if safefactors else ""))
 
 
 def check_state_dtype(path: KeyPath, what: str, found: Any, expected: Any, setting: str) -> None:

@@ -106,9 +106,9 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     checks.check_state_type(state, expected, updates,
                             inner=AdafactorState if guarded else None)
     inner = state.inner_state if guarded else state
-    checks.check_counters(inner, ("count",))
+    checks.check_counters(inner, ("count",), safefactors=True)
     if guarded:
-      checks.check_counters(state, counters.COUNTER_FIELDS)
+      checks.check_counters(state, counters.COUNTER_FIELDS, safefactors=True)
     checks.check_has_momentum(inner.momentum, hp.momentum)
     checks.check_has_compensation(inner.compensation, keeps_compensation, hp.param_rounding,
                                   updates)
