@@ -314,3 +314,42 @@ def test_a_bool_array_mask_that_broadcasts_decays_where_it_is_true():
   np.testing.assert_array_equal(updates["dense"]["kernel"],
                                 np.where(mask["dense"]["kernel"], -0.5, 0.0) * np.ones((4, 3)))
   np.testing.assert_array_equal(updates["dense"]["bias"], np.zeros(3))
+
+
+def _forgets_to_return(count):
+  rate = 1e-3 * jnp.minimum(1.0, count / 100)  # noqa: F841 (the bug: no return)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("schedule,message", [
+    (_forgets_to_return, r"returned None, where a scalar number belongs \(does it return"),
+    (lambda count: jnp.full((4, 3), 1e-2), r"returned an array of shape \(4, 3\), where a "
+                                            r"scalar belongs"),
+    (lambda count: count < 3, "returned a bool value, where a real number belongs"),
+    (lambda count: "1e-3", "returned '1e-3', where a scalar number belongs"),
+])
+def test_a_schedule_must_return_a_real_scalar(schedule, message, jit):
+  # A learning-rate schedule returning None trained with no learning rate (updates 1000x
+  # too large at 1e-3), and one returning a (4, 3) array broadcast the (3,) bias's update,
+  # so apply_updates gave the param the shape (4, 3).
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+  grads = jax.tree.map(jnp.ones_like, params)
+  for name, tx in [("learning_rate", osf.safefactor(schedule)),
+                   ("weight_decay_rate", osf.safefactor(1e-3, weight_decay_rate=schedule)),
+                   ("decay_rate_fn", osf.scale_by_safe_factored_rms(
+                       decay_rate_fn=lambda step, rate: schedule(step)))]:
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(TypeError, match=rf"^{name}: the schedule {message}"):
+      update(grads, tx.init(params), params)
+  tx = osf.accumulate_gradients(optax.sgd(0.1), schedule)
+  with pytest.raises(TypeError, match=rf"^every_k: the schedule {message}"):
+    tx.update(grads, tx.init(params), params)
+
+
+@pytest.mark.parametrize("schedule", [lambda count: 1e-3, lambda count: jnp.int32(1),
+                                      optax.linear_schedule(1e-3, 0.0, 10)])
+def test_a_schedule_of_numbers_and_scalar_arrays_is_taken(schedule):
+  params = {"w": jnp.ones((4, 3))}
+  tx = osf.safefactor(schedule)
+  updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
+  assert updates["w"].shape == (4, 3)

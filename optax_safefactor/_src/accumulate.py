@@ -18,7 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, counters, numerics, placement, trees, xla_hints
+from optax_safefactor._src import (
+    checks,
+    counters,
+    hyperparams,
+    numerics,
+    placement,
+    trees,
+    xla_hints,
+)
 
 EveryK = int | jax.Array | Callable[[jax.Array], Any]
 
@@ -49,7 +57,8 @@ class AccumulationState(NamedTuple):
 def _group_size(every_k: EveryK, applied_steps: jax.Array) -> jax.Array:
   """How many finite micro-batches make this group: a schedule's value truncated to an
   integer and floored at 1 (1 for a non-finite value, whose cast XLA leaves undefined)."""
-  size = jnp.asarray(every_k(applied_steps) if callable(every_k) else every_k)
+  size = jnp.asarray(hyperparams.scheduled_value("every_k", every_k(applied_steps))
+                     if callable(every_k) else every_k)
   if jnp.issubdtype(size.dtype, jnp.floating):
     size = jnp.where(jnp.isfinite(size), size, 1)
   return jnp.maximum(size.astype(jnp.int32), 1)

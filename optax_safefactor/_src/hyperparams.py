@@ -8,6 +8,7 @@ validation row, if it has one) and reading it where it is used.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -161,6 +162,36 @@ def _as_number(name: str, value: Any, convert: str = "float") -> float | None:
     return float(array)
   except (TypeError, ValueError):
     raise TypeError(f"{name} must be a number, an array or a schedule, got {value!r}") from None
+
+
+def scheduled_value(name: str, value: Any) -> Any:
+  """``value``, what the schedule given as ``name`` returned at this step, if it is a real
+  scalar; else a ``TypeError`` naming ``name``. None (a schedule with no ``return``) was
+  read as no learning rate, and an array broadcast the updates, and so the params, to its
+  shape. Judged on the shape and dtype alone, so a traced value is judged too.
+
+  >>> scheduled_value("learning_rate", None)
+  Traceback (most recent call last):
+  ...
+  TypeError: learning_rate: the schedule returned None, where a scalar number belongs ...
+  """
+  shape = dtype = None
+  if value is not None and not isinstance(value, (str, bytes)):
+    with contextlib.suppress(TypeError, ValueError):  # not an array: judged below
+      shape, dtype = jnp.shape(value), jnp.result_type(value)
+  if dtype is None:
+    problem = repr(value) if value is None or isinstance(value, (str, bytes)) else (
+        f"a value of type {type(value).__name__}")
+    hint = " (does it return its value?)" if value is None else ""
+    raise TypeError(f"{name}: the schedule returned {problem}, where a scalar number "
+                    f"belongs{hint}")
+  if shape != ():
+    raise TypeError(f"{name}: the schedule returned an array of shape {shape}, where a scalar "
+                    "belongs (every leaf's step would be broadcast to its shape)")
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"{name}: the schedule returned a {np.dtype(dtype).name} value, where a "
+                    "real number belongs")
+  return value
 
 
 def _check_float_dtype(name: str, value: Any, *, complex_ok: bool = False) -> None:

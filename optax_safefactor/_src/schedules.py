@@ -44,7 +44,8 @@ def second_moment_decay(
   if decay_rate_fn is None:
     beta2 = power_decay(local_step, decay_rate, dtype)
   else:
-    beta2 = jnp.asarray(decay_rate_fn(local_step, decay_rate), dtype)
+    beta2 = jnp.asarray(
+        rules.scheduled_value("decay_rate_fn", decay_rate_fn(local_step, decay_rate)), dtype)
   if beta2_cap is not None:
     beta2 = jnp.minimum(beta2, jnp.asarray(beta2_cap, dtype))
   return beta2
@@ -124,9 +125,11 @@ def _finite_flags(values: dict[str, Any], real_dtypes: set[np.dtype]) -> dict[st
   return flags
 
 
-def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
-  """A hyperparameter's value at ``count``: a schedule is called, a number is kept."""
-  return value(count) if callable(value) else value
+def _value_at(name: str, value: optax.ScalarOrSchedule, count: jax.Array
+              ) -> jax.typing.ArrayLike:
+  """A hyperparameter's value at ``count``: a schedule is called (its value must be a real
+  scalar), a number is kept."""
+  return rules.scheduled_value(name, value(count)) if callable(value) else value
 
 
 def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -> StepValues:
@@ -138,9 +141,10 @@ def step_values(hp: Hyperparams, count: jax.Array, real_dtypes: set[np.dtype]) -
       )
       for dtype in sorted(real_dtypes, key=str)
   }
-  learning_rate = None if hp.learning_rate is None else _value_at(hp.learning_rate, count)
+  learning_rate = (None if hp.learning_rate is None
+                   else _value_at("learning_rate", hp.learning_rate, count))
   weight_decay_rate = (None if hp.weight_decay_rate is None
-                       else _value_at(hp.weight_decay_rate, count))
+                       else _value_at("weight_decay_rate", hp.weight_decay_rate, count))
   values = {"learning_rate": learning_rate, "weight_decay_rate": weight_decay_rate}
   for name in CHECKED_HYPERPARAMS[3:]:
     values[name] = getattr(hp, name)
