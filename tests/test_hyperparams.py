@@ -30,8 +30,19 @@ PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)}}
     ({"min_dim_size_to_factor": float("inf")}, ValueError,
      r"min_dim_size_to_factor must be a whole number of at least 1, got inf"),
     ({"min_dim_size_to_factor": True}, TypeError, r"min_dim_size_to_factor must be a whole "
-     r"number, got True"),
-    ({"decay_offset": False}, TypeError, r"decay_offset must be a whole number, got False"),
+     r"number \(a switch is not one\), got True"),
+    ({"decay_offset": False}, TypeError, r"decay_offset must be a whole number \(a switch is "
+     r"not one\), got False"),
+    # A switch where a number belongs was read as 0 or 1: momentum=False made a momentum
+    # of 0 (a buffer to no purpose), skip_spikes=True skipped 83 of 200 ordinary steps as
+    # spikes of one standard deviation.
+    ({"momentum": False}, TypeError, r"momentum must be a number \(a switch is not one\), "
+     r"got False"),
+    ({"clipping_threshold": True}, TypeError, r"clipping_threshold must be a number \(a"),
+    ({"decay_rate": np.True_}, TypeError, r"decay_rate must be a number \(a switch"),
+    ({"weight_decay_rate": jnp.array(True)}, TypeError, r"weight_decay_rate must be a number"),
+    ({"skip_spikes": True}, TypeError, r"skip_spikes must be a number of standard deviations "
+     r"such as 6.0 \(or None\), got True"),
     # Each of these infinities was accepted, then every step was skipped as a non-finite
     # hyperparameter (a number given at construction is checked there, not at each step).
     ({"clipping_threshold": float("inf")}, ValueError,

@@ -155,9 +155,11 @@ def _as_number(name: str, value: Any, convert: str = "float") -> float | None:
   if array is not None and array.ndim:
     raise TypeError(f"{name} must be a scalar (a number, a 0-d array or a schedule), got an "
                     f"array of shape {array.shape}")
-  if isinstance(value, (bool, np.bool_)) and convert == "int":
-    # True would be read as 1: a switch given where a count belongs.
-    raise TypeError(f"{name} must be a whole number, got {value!r}")
+  if isinstance(value, (bool, np.bool_)) or (array is not None and array.dtype == np.bool_):
+    # True would be read as 1: a switch given where a number belongs (momentum=False
+    # made a momentum of 0, skip_spikes=True a spike at one standard deviation).
+    kind = "a whole number" if convert == "int" else "a number"
+    raise TypeError(f"{name} must be {kind} (a switch is not one), got {value!r}")
   try:
     return float(array)
   except (TypeError, ValueError):

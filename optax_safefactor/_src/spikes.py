@@ -121,7 +121,9 @@ def check_settings(skip_spikes: Any, spike_window: Any) -> None:
 spike rule keeps; it judges once half of them are there), got 1
   """
   if skip_spikes is not None and not isinstance(skip_spikes, jax.core.Tracer):
-    if isinstance(skip_spikes, str) or callable(skip_spikes):
+    # A switch (True) would be read as a spike at one standard deviation.
+    if (isinstance(skip_spikes, str) or callable(skip_spikes)
+        or np.asarray(skip_spikes).dtype == np.bool_):
       raise TypeError(f"skip_spikes must be a number of standard deviations such as 6.0 "
                       f"(or None), got {skip_spikes!r}")
     number = float(np.asarray(skip_spikes))
