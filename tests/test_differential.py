@@ -377,12 +377,13 @@ def _check_safefactor(config, roles_by_path, masks, dtypes, seed):
   problem = Problem(seed, dtypes)
   with warnings.catch_warnings():
     # The draws include settings that others leave without effect (a mask without a decay,
-    # a minimum scale above the maximum): they warn, and the reference follows them too.
+    # a minimum scale above the maximum, a decay whose mask is False for every param: the
+    # last warns in init): they warn, and the reference follows them too.
     warnings.filterwarnings("ignore", ".* has no effect", UserWarning)
     tx = osf.safefactor(**config, weight_decay_mask=mask,
                         factor_rules=_rules_from(roles_by_path))
-  reference, momentum_dtypes = _reference_for(config, problem, roles_by_path, decay_masks)
-  run_against_reference(tx, reference, problem, momentum_dtypes=momentum_dtypes)
+    reference, momentum_dtypes = _reference_for(config, problem, roles_by_path, decay_masks)
+    run_against_reference(tx, reference, problem, momentum_dtypes=momentum_dtypes)
 
 
 # Tests --------------------------------------------------------------------------------

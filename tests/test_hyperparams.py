@@ -327,6 +327,30 @@ def test_a_bool_array_mask_that_broadcasts_decays_where_it_is_true():
   np.testing.assert_array_equal(updates["dense"]["bias"], np.zeros(3))
 
 
+def test_a_mask_function_left_out_of_inject_hyperparams_static_args_warns():
+  # optax.inject_hyperparams calls a function-valued hyperparameter with the step count:
+  # the mask came back False for every param, and weight decay was silently off.
+  mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
+  tx = optax.inject_hyperparams(osf.safefactor)(
+      learning_rate=1e-2, weight_decay_rate=0.1, weight_decay_mask=mask)
+  with pytest.warns(UserWarning, match=r"weight_decay_mask is False for every param, so "
+                                       r"weight_decay_rate has no effect .*static_args"):
+    tx.init(PARAMS)
+  for decaying in ({"dense": {"kernel": False, "bias": False}}, False):
+    with pytest.warns(UserWarning, match="weight_decay_mask is False for every param"):
+      osf.safefactor(1e-2, weight_decay_rate=0.1, weight_decay_mask=decaying).init(PARAMS)
+  # In static_args the mask is the params' and decays the kernel, silently.
+  tx = optax.inject_hyperparams(osf.safefactor, static_args=("weight_decay_mask",))(
+      learning_rate=1e-2, weight_decay_rate=0.1, weight_decay_mask=mask)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    state = tx.init(PARAMS)
+  zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+  updates, _ = jax.jit(tx.update)(zeros, state, PARAMS)
+  assert float(jnp.max(jnp.abs(updates["dense"]["kernel"]))) > 0
+  assert float(jnp.max(jnp.abs(updates["dense"]["bias"]))) == 0
+
+
 def _forgets_to_return(count):
   rate = 1e-3 * jnp.minimum(1.0, count / 100)  # noqa: F841 (the bug: no return)
 

@@ -9,6 +9,7 @@ the step's skip verdict from the leaves' flags, per leaf the second half
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +55,12 @@ class AdafactorState(NamedTuple):
   compensation: Any = None
 
 
+_NOTHING_DECAYED = (
+    "weight_decay_mask is False for every param, so weight_decay_rate has no effect (under "
+    "optax.inject_hyperparams a mask function must be among static_args, "
+    "static_args=('weight_decay_mask',), or it is called with the step count)")
+
+
 def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   """Per-leaf weight-decay mask (True, False or a bool array); a mask may be a prefix tree."""
   if weight_decay_mask is None:
@@ -92,7 +99,9 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     second_moment, momentum, compensation, values = unzip_leaf_results(reference, per_leaf, 4)
     if hp.weight_decay_rate is not None:
       # A mask that does not fit the params fails here, not at the first step.
-      _decay_masks(hp.weight_decay_mask, values)
+      masks = jax.tree.leaves(_decay_masks(hp.weight_decay_mask, values))
+      if masks and all(mask is False or mask is np.False_ for mask in masks):
+        warnings.warn(_NOTHING_DECAYED, UserWarning, stacklevel=2)
     state = AdafactorState(jnp.zeros([], jnp.int32), second_moment,
                            momentum if hp.momentum is not None else None,
                            compensation if keeps_compensation else None)
