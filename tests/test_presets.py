@@ -12,6 +12,7 @@ import math
 import re
 import warnings
 
+import chex
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -395,7 +396,8 @@ def test_t5x_factor_map_and_argument_errors():
     osf.presets.t5x(1e-2, logical_factor_rules="standard")
   with pytest.raises(TypeError, match="skip_nan_updates"):
     osf.presets.t5x(1e-2, skip_nan_updates=True)
-  with pytest.raises(TypeError, match="must be a bool"):
+  with pytest.raises(TypeError, match=r"presets.t5x\(\): multiply_by_parameter_scale must be "
+                                      r"True or False, got \{'w': True\}"):
     osf.presets.t5x(1e-2, multiply_by_parameter_scale={"w": True})
 
 
@@ -504,6 +506,84 @@ def test_own_argument_errors():
     osf.presets.big_vision(1e-3, param_rounding="stochastic")
   with pytest.raises(ValueError, match="need skip_nonfinite_steps=True"):
     osf.presets.big_vision(1e-3, skip_nonfinite_steps=False, skip_spikes=6.0)
+
+
+@pytest.mark.parametrize("build,error,message", [
+    # Each was built and then trained wrongly or failed deep inside the step: a NaN learning
+    # rate skipped every step blaming every leaf, a string one failed in JAX's dtype code.
+    (lambda: osf.presets.big_vision(float("nan")), ValueError,
+     r"presets.big_vision\(\): learning_rate must be finite, got nan"),
+    (lambda: osf.presets.big_vision("1e-3"), TypeError,
+     r"presets.big_vision\(\): learning_rate must be a number or a schedule, got '1e-3'"),
+    (lambda: osf.presets.big_vision(1e-3, schedule=0.5), TypeError,
+     r"presets.big_vision\(\): schedule must be a function of the step \(or None\), got 0.5"),
+    (lambda: osf.presets.big_vision(1e-3, wd="0.1"), TypeError,
+     r"presets.big_vision\(\): wd must be a number, got '0.1'"),
+    # A negative threshold "clipped" by scaling with a negative factor: the step ascended.
+    (lambda: osf.presets.t5x(1e-2, global_norm_clip_threshold=-1.0), ValueError,
+     r"presets.t5x\(\): global_norm_clip_threshold must be non-negative and finite"),
+    (lambda: osf.presets.t5x(1e-2, factored="no"), TypeError,
+     r"presets.t5x\(\): factored must be True or False, got 'no'"),
+    (lambda: osf.presets.torch(lr="0.01"), TypeError,
+     r"presets.torch\(\): lr must be a number or a schedule, got '0.01'"),
+    (lambda: osf.presets.torch(eps=1e-3), TypeError,
+     r"presets.torch\(\): eps must be a pair \(eps\[0\], eps\[1\]\), as in torch, got 0.001"),
+    (lambda: osf.presets.torch(weight_decay=float("inf")), ValueError,
+     r"presets.torch\(\): weight_decay must be at least 0 and finite, got inf"),
+    # A string switch read as True: maximize="False" maximised, warmup_init="False" warmed up.
+    (lambda: osf.presets.torch(maximize="False"), TypeError,
+     r"presets.torch\(\): maximize must be True or False, got 'False'"),
+    (lambda: osf.presets.transformers(warmup_init="False"), TypeError,
+     r"presets.transformers\(\): warmup_init must be True or False, got 'False'"),
+    (lambda: osf.presets.transformers(clip_threshold="1"), TypeError,
+     r"presets.transformers\(\): clip_threshold must be a number, got '1'"),
+    # The error named safefactor's momentum, an argument the user had not passed.
+    (lambda: osf.presets.transformers(beta1=1.0), ValueError,
+     r"presets.transformers\(\): beta1 must be in \[0, 1\) \(or None\), got 1.0"),
+    (lambda: osf.presets.transformers(weight_decay="0.1"), TypeError,
+     r"presets.transformers\(\): weight_decay must be a number, got '0.1'"),
+])
+def test_a_presets_own_arguments_are_judged_by_their_names(build, error, message):
+  with pytest.raises(error, match=message):
+    build()
+
+
+INJECTED = {
+    "t5x": (lambda: optax.inject_hyperparams(osf.presets.t5x)(learning_rate=1e-2),
+            lambda: osf.presets.t5x(1e-2)),
+    "big_vision": (lambda: optax.inject_hyperparams(osf.presets.big_vision)(
+        learning_rate=1e-2, wd=1e-4), lambda: osf.presets.big_vision(1e-2, wd=1e-4)),
+    "transformers": (lambda: optax.inject_hyperparams(osf.presets.transformers)(
+        lr=1e-2, relative_step=False, weight_decay=0.1),
+        lambda: osf.presets.transformers(lr=1e-2, relative_step=False, weight_decay=0.1)),
+    "torch": (lambda: optax.inject_hyperparams(osf.presets.torch)(lr=1e-2, weight_decay=0.1),
+              lambda: osf.presets.torch(lr=1e-2, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INJECTED))
+def test_a_preset_injected_steps_as_the_preset_does(name):
+  # optax.inject_hyperparams (the usual way to change a learning rate between steps)
+  # failed in init for every preset, saying "unexpected keyword argument 'overrides'",
+  # and then on the numbers the presets judged in Python.
+  injected, plain = (make() for make in INJECTED[name])
+  params = {"w": jnp.ones((4, 3)), "kernel": jnp.linspace(-1.0, 1.0, 256 * 130).reshape(256, 130)}
+  grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)
+  state, plain_state = injected.init(params), plain.init(params)
+  step = jax.jit(injected.update)
+  for _ in range(2):
+    updates, state = step(grads, state, params)
+    expected, plain_state = plain.update(grads, plain_state, params)
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_a_switch_given_as_an_array_is_refused_naming_static_args():
+  # An array switch cannot steer the preset's Python: it would fail as a tracer's bool (an
+  # optax.inject_hyperparams that hands bools over as arrays), or be read by truthiness.
+  with pytest.raises(TypeError, match=r"presets.torch\(\): maximize is a switch, got an "
+                                      r"array; under optax.inject_hyperparams pass it in "
+                                      r"static_args=\('maximize',\)"):
+    osf.presets.torch(maximize=jnp.array(True))
 
 
 def test_transformers_decay_with_parameter_scale_skips_as_a_whole():

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
@@ -23,6 +24,67 @@ _GUARD_ARGUMENTS = ("skip_nonfinite_steps", "max_consecutive_skips", "checked", 
                     "spike_window")
 
 
+def given(overrides: Mapping[str, Any]) -> dict[str, Any]:
+  """The overrides a user gave: ``optax.inject_hyperparams`` binds a preset's signature with
+  its defaults applied, which fills ``**overrides`` and then passes it on by that name as
+  ``overrides={}``; that entry is no override.
+
+  >>> given({"overrides": {}, "eps": 1e-30})
+  {'eps': 1e-30}
+  """
+  return {name: value for name, value in overrides.items()
+          if not (name == "overrides" and isinstance(value, dict) and not value)}
+
+
+def check_switches(preset: str, **switches: Any) -> None:
+  """Each of a preset's own switches is ``True`` or ``False``: a string ``"False"`` from a
+  config file read as True (``torch(maximize="False")`` maximised). Under
+  ``optax.inject_hyperparams`` a switch arrives as an array: it belongs in ``static_args``.
+
+  >>> check_switches("torch", maximize="False")
+  Traceback (most recent call last):
+  ...
+  TypeError: presets.torch(): maximize must be True or False, got 'False'
+  """
+  for name, value in switches.items():
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+      raise TypeError(f"presets.{preset}(): {name} is a switch, got an array; under "
+                      f"optax.inject_hyperparams pass it in static_args=({name!r},)")
+    if not isinstance(value, (bool, np.bool_)):
+      raise TypeError(f"presets.{preset}(): {name} must be True or False, got {value!r}")
+
+
+def check_number(preset: str, name: str, value: Any, requirement: str,
+                 rule: Callable[[float], bool], *, none_ok: bool = False,
+                 schedule_ok: bool = False) -> None:
+  """One of a preset's own numbers (those it does not hand to ``safefactor`` as they are,
+  which ``safefactor`` judges): a real scalar meeting ``rule``, else an error naming it and
+  the preset. ``None`` or a schedule passes where allowed; a traced value
+  (``optax.inject_hyperparams``' update) cannot be judged and passes.
+
+  >>> check_number("t5x", "global_norm_clip_threshold", -1.0, "positive", lambda x: x > 0)
+  Traceback (most recent call last):
+  ...
+  ValueError: presets.t5x(): global_norm_clip_threshold must be positive, got -1.0
+  """
+  if ((value is None and none_ok) or (callable(value) and schedule_ok)
+      or isinstance(value, jax.core.Tracer)):
+    return
+  array = None
+  if not isinstance(value, (str, bytes, bool, np.bool_)) and value is not None:
+    try:
+      array = np.asarray(value)
+    except (TypeError, ValueError):
+      array = None
+  if (array is None or array.ndim or array.dtype == np.bool_
+      or not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array)):
+    kinds = "a number" + (" or a schedule" if schedule_ok else "") + (
+        " (or None)" if none_ok else "")
+    raise TypeError(f"presets.{preset}(): {name} must be {kinds}, got {value!r}")
+  if not rule(float(array)):
+    raise ValueError(f"presets.{preset}(): {name} must be {requirement}, got {value!r}")
+
+
 def check_overrides(preset: str, overrides: Mapping[str, Any],
                     taken: Mapping[str, str]) -> None:
   """A TypeError for an override ``safefactor`` does not know or the preset already sets.
@@ -30,7 +92,7 @@ def check_overrides(preset: str, overrides: Mapping[str, Any],
   ``taken`` maps a ``safefactor`` argument to the preset's own argument(s) it comes from,
   or to the reason it is fixed, in parentheses.
   """
-  for name in overrides:
+  for name in given(overrides):
     if name in taken:
       if taken[name].startswith("("):
         raise TypeError(f"presets.{preset}(): {name} is fixed by this preset {taken[name]}")
@@ -55,7 +117,7 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   moves out and judges the whole chain (``skip_nonfinite`` with the same settings), and a
   rounding write-back, which must be the final step, is refused.
   """
-  arguments = {**_without_unused(settings), **overrides}
+  arguments = {**_without_unused(settings), **given(overrides)}
   if not after:
     tx = safefactor(**arguments)
     return optax.with_extra_args_support(optax.chain(*before, tx)) if before else tx

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -15,6 +16,12 @@ from optax_safefactor._src import preset_assembly
 from optax_safefactor._src.preset_assembly import Schedule
 
 # big_vision ----------------------------------------------------------------------------
+
+
+def _none_if_zero(value: Any) -> Any:
+  """big_vision's ``or None`` (0 is off) for a number; an array (optax.inject_hyperparams
+  hands numbers over as arrays, traced in update) is kept."""
+  return value if isinstance(value, (jax.Array, jax.core.Tracer)) or value else None
 
 
 def _big_vision_wd_mask(params: Any) -> Any:
@@ -112,19 +119,29 @@ def big_vision(
            "clipping_threshold": "clipping_threshold", "momentum": "momentum",
            "dtype_momentum": "dtype_momentum", "eps": "eps"}
   preset_assembly.check_overrides("big_vision", overrides, taken)
-  overrides = dict(overrides)
+  # These go to optax's own steps, not to safefactor's checks.
+  preset_assembly.check_number("big_vision", "learning_rate", learning_rate, "finite",
+                               math.isfinite, schedule_ok=True)
+  preset_assembly.check_number("big_vision", "wd", wd, "finite", math.isfinite)
+  if schedule is not None and not callable(schedule):
+    raise TypeError("presets.big_vision(): schedule must be a function of the step (or None), "
+                    f"got {schedule!r}")
+  overrides = preset_assembly.given(overrides)
   mask = overrides.pop("weight_decay_mask", _big_vision_wd_mask)
-  if not wd and mask is not _big_vision_wd_mask:
+  # optax.inject_hyperparams hands wd over as an array, concrete in init and traced in
+  # update; both must build the same chain, so an array decays (by zero if it is zero).
+  decays = isinstance(wd, (jax.Array, jax.core.Tracer)) or bool(wd)
+  if not decays and mask is not _big_vision_wd_mask:
     warnings.warn("presets.big_vision(): weight_decay_mask says which params wd decays, and "
                   "wd is 0: it has no effect", UserWarning, stacklevel=2)
   settings = dict(
       learning_rate=None, min_dim_size_to_factor=min_dim_size_to_factor,
       decay_rate=decay_rate, decay_offset=decay_offset, beta2_cap=beta2_cap,
-      clipping_threshold=clipping_threshold or None, momentum=momentum or None,
+      clipping_threshold=_none_if_zero(clipping_threshold), momentum=_none_if_zero(momentum),
       dtype_momentum=dtype_momentum, eps=eps, multiply_by_parameter_scale=False)
   # safefactor's update is -m_t; big_vision's chain is lr, + wd * p, schedule, then -1.
   after = [optax.scale_by_learning_rate(learning_rate, flip_sign=False)]
-  if wd:
+  if decays:
     after.append(optax.add_decayed_weights(-wd, mask))
   if schedule is not None:
     after.append(optax.scale_by_schedule(schedule))
@@ -318,7 +335,8 @@ def t5x(
       ``global_norm_clip_threshold`` (the spike rule would see clipped gradients; the
       message gives the chain that clips inside the guard), and for values ``safefactor``
       refuses.
-    TypeError: for a non-bool ``multiply_by_parameter_scale``, or an override this
+    TypeError: for a non-bool ``factored`` or ``multiply_by_parameter_scale``, a number
+      that is not one, or an override this
       preset sets itself or ``safefactor`` does not know.
   """
   taken = {"learning_rate": "learning_rate", "factored": "factored",
@@ -336,9 +354,14 @@ def t5x(
         "value, safefactor skips a non-finite step as a whole (skip_nonfinite_steps=True, "
         "the default)")
   preset_assembly.check_overrides("t5x", overrides, taken)
-  if not isinstance(multiply_by_parameter_scale, bool):
-    raise TypeError("multiply_by_parameter_scale must be a bool here, got "
-                    f"{type(multiply_by_parameter_scale).__name__}")
+  preset_assembly.check_switches("t5x", factored=factored,
+                                 multiply_by_parameter_scale=multiply_by_parameter_scale)
+  preset_assembly.check_number("t5x", "global_norm_clip_threshold", global_norm_clip_threshold,
+                               "non-negative and finite (0 or None: no clipping, as in T5X)",
+                               lambda x: 0 <= x < math.inf, none_ok=True)
+  preset_assembly.check_number("t5x", "weight_decay_rate_lr_exponent",
+                               weight_decay_rate_lr_exponent, "finite (or None)", math.isfinite,
+                               none_ok=True)
   if global_norm_clip_threshold and overrides.get("skip_spikes") is not None:
     # The spike rule judges the gradients safefactor is given: behind the clip every step,
     # a spike included, arrives at the clip's norm, and no spike would ever be skipped.

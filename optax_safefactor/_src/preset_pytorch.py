@@ -152,17 +152,28 @@ def transformers(
            "factored": _FACTORED_AXES, "min_dim_size_to_factor": _FACTORED_AXES,
            "multiply_by_parameter_scale": "scale_parameter"}
   preset_assembly.check_overrides("transformers", overrides, taken)
+  preset_assembly.check_switches("transformers", scale_parameter=scale_parameter,
+                                 relative_step=relative_step, warmup_init=warmup_init)
+  eps1, eps2 = _pair("transformers", eps)
+  for name, value, schedule_ok in (("lr", lr, True), ("eps[0]", eps1, False),
+                                   ("eps[1]", eps2, False)):
+    preset_assembly.check_number("transformers", name, value, "at least 0 and finite",
+                                 lambda x: 0 <= x < math.inf, none_ok=name == "lr",
+                                 schedule_ok=schedule_ok)
+  preset_assembly.check_number("transformers", "clip_threshold", clip_threshold,
+                               "positive and finite", lambda x: 0 < x < math.inf)
+  preset_assembly.check_number("transformers", "decay_rate", decay_rate,
+                               "negative (beta2 = 1 - t**decay_rate)", lambda x: x < 0)
+  preset_assembly.check_number("transformers", "beta1", beta1, "in [0, 1) (or None)",
+                               lambda x: 0 <= x < 1, none_ok=True)
+  preset_assembly.check_number("transformers", "weight_decay", weight_decay, "finite",
+                               math.isfinite)
   if lr is not None and relative_step:
     raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
   if warmup_init and not relative_step:
     raise ValueError("`warmup_init=True` requires `relative_step=True`")
   if lr is None and not relative_step:
     raise ValueError("lr=None with relative_step=False leaves no learning rate; give lr")
-  if not decay_rate < 0:
-    raise ValueError(f"decay_rate must be negative (beta2 = 1 - t**decay_rate), got {decay_rate}")
-  if clip_threshold is None or not 0 < clip_threshold < math.inf:
-    raise ValueError(f"clip_threshold must be positive and finite, got {clip_threshold!r}")
-  eps1, eps2 = eps
   if relative_step:
     def learning_rate(count):
       step = preset_assembly.one_based_step(count)
@@ -176,7 +187,7 @@ def transformers(
       clipping_threshold=clip_threshold, momentum=beta1, factor_rules=_last_two_axes,
       dtype_momentum="at_least_float32")
   after = []
-  if weight_decay != 0:
+  if _decays(weight_decay):
     if scale_parameter:
       decay = _decay_scaled_by_param_rms(weight_decay, learning_rate, eps2)
       # safefactor's weight_decay_mask says which params its own decay reaches: this
@@ -190,6 +201,21 @@ def transformers(
     else:
       settings["weight_decay_rate"] = preset_assembly.times(weight_decay, learning_rate)
   return preset_assembly.build("transformers", settings, overrides, after=after)
+
+
+def _pair(preset: str, eps: Any) -> tuple[Any, Any]:
+  """``eps`` as ``(eps[0], eps[1])``; a single number is refused naming the pair."""
+  if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+    raise TypeError(f"presets.{preset}(): eps must be a pair (eps[0], eps[1]), as in torch, "
+                    f"got {eps!r}")
+  return eps[0], eps[1]
+
+
+def _decays(weight_decay: Any) -> bool:
+  """Whether there is a weight decay: a nonzero number, or an array (optax.inject_hyperparams
+  hands every number over as one, concrete in init and traced in update, and both must
+  build the same chain, so a zero array decays by zero)."""
+  return isinstance(weight_decay, (jax.Array, jax.core.Tracer)) or weight_decay != 0
 
 
 # torch ----------------------------------------------------------------------------------
@@ -279,17 +305,16 @@ def torch(
            "factored": _FACTORED_AXES, "min_dim_size_to_factor": _FACTORED_AXES,
            "multiply_by_parameter_scale": "(always on in torch.optim.Adafactor)"}
   preset_assembly.check_overrides("torch", overrides, taken)
-  eps1, eps2 = eps
+  preset_assembly.check_switches("torch", maximize=maximize)
+  eps1, eps2 = _pair("torch", eps)
   eps1 = float(np.finfo(np.float32).eps) if eps1 is None else eps1
   for name, value in (("lr", lr), ("eps[0]", eps1), ("eps[1]", eps2),
                       ("weight_decay", weight_decay)):
-    if not callable(value) and not value >= 0:
-      raise ValueError(f"{name} must be at least 0, got {value!r}")
-  if not beta2_decay < 0:
-    raise ValueError(f"beta2_decay must be negative (beta2 = 1 - t**beta2_decay), "
-                     f"got {beta2_decay}")
-  if not d >= 1:
-    raise ValueError(f"d must be at least 1 here, got {d!r}")
+    preset_assembly.check_number("torch", name, value, "at least 0 and finite",
+                                 lambda x: 0 <= x < math.inf, schedule_ok=name == "lr")
+  preset_assembly.check_number("torch", "beta2_decay", beta2_decay,
+                               "negative (beta2 = 1 - t**beta2_decay)", lambda x: x < 0)
+  preset_assembly.check_number("torch", "d", d, "at least 1 here", lambda x: x >= 1)
 
   def relative_step(count):
     step = preset_assembly.one_based_step(count)
@@ -299,6 +324,7 @@ def torch(
       learning_rate=relative_step, decay_rate=-beta2_decay, eps=eps1 * eps1,
       min_parameter_scale=eps2, multiply_by_parameter_scale=True, clipping_threshold=d,
       factor_rules=_last_two_axes,
-      weight_decay_rate=preset_assembly.times(weight_decay, lr) if weight_decay != 0 else None)
+      weight_decay_rate=preset_assembly.times(weight_decay, lr) if _decays(weight_decay)
+      else None)
   before = [optax.scale(-1.0)] if maximize else []
   return preset_assembly.build("torch", settings, overrides, before=before)
