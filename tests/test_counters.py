@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import optax_safefactor as osf
 from tests.helpers import run_steps
@@ -113,3 +114,22 @@ def test_summary_agrees_with_skipped_steps_for_several_guards():
   # "skipped 3 of ..." or "3 skipped ...": the summary states the same total.
   summary = osf.nonfinite_summary(state)
   assert re.search(rf"\bskipped {total}\b|\b{total} skipped\b", summary), summary
+
+
+def test_an_ensembles_counts_are_refused_not_mislabelled():
+  # Under jax.vmap the counts are (members, leaves): per_leaf gave each member's row to a
+  # leaf name (the NaN of member 1's "b" was put on "w"), and host_values failed in zip.
+  tx = osf.safefactor(0.1)
+  params = {"b": jnp.zeros((3, 3)), "w": jnp.ones((3, 4, 3))}
+  grads = {"b": jnp.ones((3, 3)).at[1, 0].set(jnp.nan), "w": jnp.ones((3, 4, 3))}
+  _, state = jax.vmap(tx.update)(grads, jax.vmap(tx.init)(params), params)
+  batch = r"holds counts of shape \(3, {}\): a batch of \(3,\) optimizers \(made under jax.vmap\)"
+  for read in (state.nonfinite_steps.per_leaf, state.nonfinite_steps.host_values):
+    with pytest.raises(ValueError, match="this LeafCounts " + batch.format(2)):
+      read()
+  with pytest.raises(ValueError, match="this HyperparamCounts " + batch.format(8)):
+    state.nonfinite_hyperparams.host_values()
+  member = jax.tree.map(lambda x: x[1], state)
+  assert member.nonfinite_steps.host_values() == {"params['b']": 1, "params['w']": 0}
+  assert {name: int(count) for name, count in member.nonfinite_steps.per_leaf().items()} == {
+      "b": 1, "w": 0}

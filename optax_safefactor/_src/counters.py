@@ -62,7 +62,7 @@ class LeafCounts:
   def per_leaf(self) -> Any:
     """The counts shaped like the params: an int32 scalar per leaf (for abstract counts,
     a ``jax.ShapeDtypeStruct`` per leaf, placed as the vector is)."""
-    counts = unbox(self.counts)
+    counts = _one_members(unbox(self.counts), "LeafCounts")
     if isinstance(counts, jax.ShapeDtypeStruct):
       sharding = counts.sharding
       if isinstance(sharding, jax.sharding.NamedSharding):  # the vector is replicated
@@ -73,13 +73,25 @@ class LeafCounts:
 
   def host_values(self) -> dict[str, int]:
     """The counts as host ints by parameter path."""
-    return dict(zip(self.names(), np.asarray(unbox(self.counts)).tolist(), strict=True))
+    counts = _one_members(np.asarray(unbox(self.counts)), "LeafCounts")
+    return dict(zip(self.names(), counts.tolist(), strict=True))
 
   @classmethod
   def from_per_leaf(cls, tree: Any) -> LeafCounts:
     """The vector of a tree of int32 scalars (the per-leaf layout of earlier releases)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_box)
     return cls(jnp.asarray([unbox(x) for x in leaves], jnp.int32), treedef)
+
+
+def _one_members(counts: Any, owner: str) -> Any:
+  """``counts`` if it is one optimizer's vector; a ``ValueError`` for a batch of them
+  (jax.vmap over init and update, an ensemble), whose rows are members, not leaves."""
+  if len(counts.shape) != 1:
+    raise ValueError(
+        f"this {owner} holds counts of shape {tuple(counts.shape)}: a batch of "
+        f"{tuple(counts.shape[:-1])} optimizers (made under jax.vmap), not one; take one "
+        "member's first, e.g. jax.tree.map(lambda x: x[i], counts)")
+  return counts
 
 
 array_dataclasses.register(LeafCounts, ("counts",))
@@ -120,7 +132,7 @@ class HyperparamCounts:
 
   def host_values(self) -> tuple[dict[str, int], dict[str, int]]:
     """The counts and last steps as host ints by name."""
-    counts = np.asarray(unbox(self.counts)).tolist()
+    counts = _one_members(np.asarray(unbox(self.counts)), "HyperparamCounts").tolist()
     last = np.asarray(unbox(self.last_step)).tolist()
     return dict(zip(self.names, counts, strict=True)), dict(zip(self.names, last, strict=True))
 
