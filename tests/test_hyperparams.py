@@ -1,5 +1,6 @@
 """Arguments a user gets wrong are refused when the optimizer is built, by their own name."""
 
+import re
 import warnings
 
 import jax
@@ -388,3 +389,21 @@ def test_a_schedule_of_numbers_and_scalar_arrays_is_taken(schedule):
   tx = osf.safefactor(schedule)
   updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
   assert updates["w"].shape == (4, 3)
+
+
+@pytest.mark.parametrize("kwargs", [{"state_dtype": "float64"},
+                                    {"momentum": 0.9, "dtype_momentum": "float64"},
+                                    {"momentum": 0.9, "dtype_momentum": jnp.complex128}])
+def test_a_64_bit_state_without_64_bit_jax_is_refused_at_init(kwargs, x64):
+  # Without jax_enable_x64, JAX made the state float32, and the first update refused it as
+  # a state "made for another optimizer": start from this optimizer's init, it said, which
+  # it was.
+  tx = osf.safefactor(1e-2, **kwargs)
+  params = {"w": jnp.ones((4, 3), jnp.float64)}
+  state = tx.init(params)  # with 64-bit JAX: a 64-bit state that steps
+  tx.update(params, state, params)
+  jax.config.update("jax_enable_x64", False)  # the fixture restores the setting after
+  name, value = next((k, v) for k, v in kwargs.items() if k != "momentum")
+  with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(value))} needs 64-bit JAX, "
+                                       r"which is off"):
+    tx.init({"w": jnp.ones((4, 3))})

@@ -72,6 +72,24 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   return masks
 
 
+def _check_64_bit_state(hp: Hyperparams) -> None:
+  """A float64 (or complex128) state asked for by name needs 64-bit JAX: without it JAX
+  makes every such array float32, and the first update refused that state as one made
+  for another optimizer."""
+  if jax.config.jax_enable_x64:
+    return
+  for name in ("state_dtype", "dtype_momentum"):
+    value = getattr(hp, name)
+    if (value is None or (isinstance(value, str) and value == numerics.AT_LEAST_FLOAT32)
+        or isinstance(value, (jax.Array, jax.core.Tracer))):
+      continue
+    if numerics.real_dtype(jnp.dtype(value)).itemsize >= 8:
+      raise ValueError(
+          f"{name}={value!r} needs 64-bit JAX, which is off: JAX would make the state "
+          "float32. Turn it on first (jax.config.update('jax_enable_x64', True)), or keep "
+          "the state in float32")
+
+
 def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   """The transformation for validated ``hp``; guarded when ``hp.skip_nonfinite_steps``."""
   planner = Planner(hp.factored, hp.min_dim_size_to_factor, hp.factor_rules)
@@ -80,6 +98,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   rounds_onto_params = write_back.rounds_onto_params(hp.param_rounding)
 
   def init_fn(params):
+    _check_64_bit_state(hp)
+
     def init_leaf(path, param):
       leaf = placement.leaf_placement(param)
       value = leaf.value
