@@ -97,6 +97,24 @@ def test_logical_names_map_layers_to_batch():
   assert moment.v_row.shape == (LAYERS, ROWS, 1) and moment.v_col.shape == (LAYERS, 1, COLS)
 
 
+def test_logical_names_given_as_lists_are_names_not_params():
+  # A list of names was flattened as a list of params, one name each, which matched no
+  # param: "layers" was silently not a batch axis, and the heuristic factored the stack
+  # over its two largest axes, layers and embed.
+  params = {"w": jnp.ones((300, 200, 150)),
+            "blocks": [{"k": jnp.ones((300, 200))}, {"k": jnp.ones((200, 150))}]}
+  axis_names = {"w": ["layers", "embed", "mlp"],
+                "blocks": [{"k": ["layers", None]}, {"k": ("embed", "mlp")}]}
+  state = osf.safefactor(factor_rules=osf.logical_factor_rules(axis_names)).init(params)
+  moment = state.inner_state.second_moment["w"]
+  assert moment.v_row.shape == (300, 1, 150) and moment.v_col.shape == (300, 200, 1)
+  assert isinstance(state.inner_state.second_moment["blocks"][0]["k"], osf.FullMoment)
+  as_tuples = jax.tree.map(tuple, axis_names, is_leaf=lambda x: isinstance(x, list)
+                           and all(n is None or isinstance(n, str) for n in x))
+  expected = osf.safefactor(factor_rules=osf.logical_factor_rules(as_tuples)).init(params)
+  assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, expected)
+
+
 def test_explicit_roles_factor_a_conv_kernel_like_the_reference(rng):
   shape = (3, 3, 16, 32)
   roles = ("row", "row", "row", "column")

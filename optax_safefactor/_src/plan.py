@@ -216,14 +216,22 @@ class Planner:
                            where="params" + jax.tree_util.keystr(tuple(path)))
 
 
+def _is_names(node: Any) -> bool:
+  """One param's logical axis names: a tuple (a ``PartitionSpec`` is one), or a list, of
+  names and ``None``s. A list of names was taken for a list of params, each name a leaf,
+  and matched no param: every rule was silently left to the heuristic."""
+  return isinstance(node, tuple) or (
+      isinstance(node, list) and all(name is None or isinstance(name, str) for name in node))
+
+
 def logical_factor_rules(
     axis_names: Any, rules: Mapping[str, str] | None = None
 ) -> FactorRulesFn:
   """Factor rules from logical axis names (flax partitioning names, T5X style).
 
   Args:
-    axis_names: a tree like the params whose leaves are tuples of logical axis names
-      (``None`` for an unnamed axis), e.g. what ``nn.get_partition_spec`` holds for
+    axis_names: a tree like the params whose leaves are tuples (or lists) of logical axis
+      names (``None`` for an unnamed axis), e.g. what ``nn.get_partition_spec`` holds for
       logically partitioned params.
     rules: logical name -> role; defaults to :data:`DEFAULT_LOGICAL_RULES`
       (``layers``, ``stack``, ``expert``... are batch axes). Names without a rule are
@@ -239,9 +247,7 @@ def logical_factor_rules(
   rules = DEFAULT_LOGICAL_RULES if rules is None else rules
   names_by_path = {
       jax.tree_util.keystr(path): tuple(names)
-      for path, names in jax.tree_util.tree_flatten_with_path(
-          axis_names, is_leaf=lambda x: isinstance(x, tuple)
-      )[0]
+      for path, names in jax.tree_util.tree_flatten_with_path(axis_names, is_leaf=_is_names)[0]
   }
 
   def roles_for(path, shape):
