@@ -190,13 +190,30 @@ def test_partition_specs_for_abstract_params_and_wrappers():
     (P("dta", None), ValueError, r"param_specs\['w'\] .* the mesh has no axis 'dta'"),
     (P(("data", "modle"), None), ValueError, r"param_specs\['w'\] .* no axis 'modle'"),
     ("data", TypeError, r"param_specs\['w'\] must be a PartitionSpec, got str"),
-], ids=["too-long", "unknown-axis", "unknown-axis-in-tuple", "not-a-spec"])
+    # A plain tuple was read as a tuple of params: "param_specs['w'][0], ... not in params".
+    (("data", "model"), TypeError, r"param_specs\['w'\] must be a PartitionSpec, got the "
+                                   r"tuple \('data', 'model'\): write PartitionSpec"),
+], ids=["too-long", "unknown-axis", "unknown-axis-in-tuple", "not-a-spec", "plain-tuple"])
 def test_partition_specs_refuse_a_spec_that_cannot_place_its_param(spec, error, message):
   # Each failed deep inside (a zip in the traced init, JAX's mesh lookup) without a path.
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   with pytest.raises(error, match=message):
     osf.state_partition_specs(osf.safefactor(0.1, momentum=0.9), params, SPECS | {"w": spec},
                               mesh=_mesh(AxisType.Explicit))
+
+
+def test_partition_specs_and_migration_refuse_what_is_no_optimizer_or_mesh():
+  # An AttributeError ('function' object has no attribute 'init') from deep inside.
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  called = r"optimizer must be an optax GradientTransformation .*call it: osf.safefactor\("
+  with pytest.raises(TypeError, match="state_partition_specs: " + called):
+    osf.state_partition_specs(osf.safefactor, params, SPECS)
+  with pytest.raises(TypeError, match=r"state_partition_specs: mesh must be a "
+                                      r"jax.sharding.Mesh \(or None\), got 'x'"):
+    osf.state_partition_specs(osf.safefactor(0.1), params, SPECS, mesh="x")
+  concrete = {k: jnp.ones(s) for k, s in SHAPES.items()}
+  with pytest.raises(TypeError, match="migrate_from_optax: " + called):
+    osf.migrate_from_optax(optax.adafactor(0.1).init(concrete), osf.safefactor, concrete)
 
 
 def test_an_auto_mode_step_with_pinned_out_shardings_compiles_once_and_keeps_them():

@@ -393,6 +393,10 @@ def test_a_state_without_history_and_a_loss_that_is_not_a_scalar_are_refused():
         grads, with_spikes.init(params), params)
   with pytest.raises(ValueError, match=r"value= must be the step's scalar loss.*\(4,\)"):
     with_spikes.update(grads, with_spikes.init(params), params, value=jnp.ones(4))
+  # A string loss failed inside JAX's dtype code; a bool was a loss of 0 or 1.
+  for value in ("1.0", True, jnp.array(True), 1 + 2j):
+    with pytest.raises(TypeError, match=r"value= must be the step's loss, a real number, got"):
+      with_spikes.update(grads, with_spikes.init(params), params, value=value)
   cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x,
                       with_spikes.init(params))
   cast = cast._replace(inner_state=with_spikes.init(params).inner_state)

@@ -125,6 +125,7 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
       ``optax.masked`` (``optax.multi_transform``'s states): one adafactor's state over
       all the params is converted.
   """
+  checks.check_transformation(optimizer, "migrate_from_optax", "optimizer")
   # A Linen job's params and both states come boxed (nn.Partitioned): the statistics are
   # converted unboxed and put back in the boxes init gives them.
   boxed_target = optimizer.init(params)

@@ -289,6 +289,13 @@ def state_partition_specs(
       or when it names an axis that ``mesh`` does not have.
     TypeError: naming the param, when its spec is not a ``PartitionSpec``.
   """
+  # checks places its own messages with this module's helpers: imported here, not above.
+  from optax_safefactor._src import checks
+
+  checks.check_transformation(optimizer, "state_partition_specs", "optimizer")
+  if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"state_partition_specs: mesh must be a jax.sharding.Mesh (or None), got "
+                    f"{mesh!r}")
   # A flax box (nnx.Param, linen Partitioned) is one param; a spec may come boxed too
   # (nnx.get_partition_spec gives each spec in its Param).
   if param_specs is None:
@@ -297,6 +304,10 @@ def state_partition_specs(
       return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
     param_specs = jax.tree.map(spec_of, params, is_leaf=is_box)
+  for path, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=_plain_spec)[0]:
+    if _plain_spec(spec):  # else read as a tuple of params, each name one: "not in params"
+      raise TypeError(f"param_specs{jax.tree_util.keystr(path)} must be a PartitionSpec, got "
+                      f"the tuple {spec!r}: write PartitionSpec{tuple(spec)!r}")
   trees.check_prefix_of(param_specs, params, "param_specs")
   if jax.tree.structure(param_specs, is_leaf=is_box) != jax.tree.structure(params,
                                                                            is_leaf=is_box):
@@ -324,6 +335,14 @@ def state_partition_specs(
   if mesh is None:
     return specs
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def _plain_spec(node: Any) -> bool:
+  """A plain tuple or list of axis names and ``None``s: a spec written without
+  ``PartitionSpec``."""
+  return (type(node) in (tuple, list) and bool(node)
+          and all(name is None or isinstance(name, str) for name in node)
+          and any(isinstance(name, str) for name in node))
 
 
 def _check_spec(mesh: jax.sharding.Mesh | None, path: Any, param: Any, spec: Any) -> None:

@@ -194,6 +194,13 @@ def check_value(value: Any) -> jax.Array | None:
   """``update``'s ``value=`` (the loss) as a float32 scalar, or ``None`` when not given."""
   if value is None:
     return None
+  try:  # a string or a bool would fail inside JAX, or count as 0 and 1
+    dtype = None if isinstance(value, (str, bytes)) else jnp.result_type(value)
+  except (TypeError, ValueError):
+    dtype = None
+  if dtype is None or not (jnp.issubdtype(dtype, jnp.floating)
+                           or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"value= must be the step's loss, a real number, got {value!r}")
   shape = np.shape(value)
   if shape not in ((), (1,)):
     raise ValueError(
