@@ -120,7 +120,9 @@ def test_a_weight_decay_mask_may_still_be_a_prefix_or_a_function():
   grads = jax.tree.map(jnp.ones_like, PARAMS)
   for mask in ({"dense": False}, lambda params: jax.tree.map(lambda _: False, params)):
     tx = osf.safefactor(1e-3, weight_decay_rate=0.5, weight_decay_mask=mask)
-    masked, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+    with pytest.warns(UserWarning, match="weight_decay_mask is False for every param"):
+      state = tx.init(PARAMS)
+    masked, _ = tx.update(grads, state, PARAMS)
     plain = osf.safefactor(1e-3)
     expected, _ = plain.update(grads, plain.init(PARAMS), PARAMS)
     assert jax.tree.all(jax.tree.map(jnp.array_equal, masked, expected))
@@ -228,6 +230,9 @@ def test_the_settings_defaults_are_the_factories_defaults():
     ({"dtype_momentum": "bfloat16"}, {"momentum": 0.9},
      r"dtype_momentum='bfloat16' is the momentum's dtype, and momentum is None: it has no "
      r"effect"),
+    # Exempt for the presets, which now drop it themselves: it passed silently.
+    ({"dtype_momentum": "at_least_float32"}, {"momentum": 0.9},
+     r"dtype_momentum='at_least_float32' is the momentum's dtype, and momentum is None"),
     ({"factored": False, "min_dim_size_to_factor": 2}, {"factored": True},
      r"min_dim_size_to_factor=2 decides which params are factored, and factored=False: it "
      r"has no effect"),

@@ -329,8 +329,7 @@ def _differs_from_default(hyperparams: Hyperparams, field: str) -> bool:
     return value is not default
   if field == "dtype_momentum":
     if isinstance(value, str) and value == numerics.AT_LEAST_FLOAT32:
-      # The torch-style presets' rule, which they pass whether or not beta1 is set.
-      return False
+      return True  # a rule, not a dtype: never the default's
     # A dtype given as a name, a type or (injected) an array of that dtype.
     dtype = value.dtype if isinstance(value, (jax.Array, np.ndarray)) else jnp.dtype(value)
     return dtype != jnp.dtype(default)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -83,6 +84,40 @@ def check_number(preset: str, name: str, value: Any, requirement: str,
     raise TypeError(f"presets.{preset}(): {name} must be {kinds}, got {value!r}")
   if not rule(float(array)):
     raise ValueError(f"presets.{preset}(): {name} must be {requirement}, got {value!r}")
+
+
+def warn_unused(preset: Callable[..., Any], given: Mapping[str, Any], why: str) -> None:
+  """Warn of each of ``preset``'s own arguments in ``given`` (name -> value) that differs
+  from the preset's default, which ``why`` leaves without effect: the preset drops it as
+  the original does (T5X's ``epsilon2`` without the parameter scale, say), but a value the
+  user chose is not silently ignored.
+
+  >>> def t5x(epsilon2=1e-3): ...
+  >>> with warnings.catch_warnings():
+  ...   warnings.simplefilter("error")
+  ...   warn_unused(t5x, {"epsilon2": 1e-4}, "multiply_by_parameter_scale is False")
+  Traceback (most recent call last):
+  ...
+  UserWarning: presets.t5x(): epsilon2=0.0001 has no effect: multiply_by_parameter_scale is ...
+  """
+  defaults = inspect.signature(preset).parameters
+  for name, value in given.items():
+    if not _same(value, defaults[name].default):
+      warnings.warn(f"presets.{preset.__name__}(): {name}={value!r} has no effect: {why}",
+                    UserWarning, stacklevel=3)
+
+
+def _same(value: Any, default: Any) -> bool:
+  """Whether ``value`` is the default (a dtype by any of its names; an injected array, which
+  cannot be judged here, counts as the default)."""
+  if value is None or default is None or isinstance(value, (jax.Array, jax.core.Tracer)):
+    return value is default or isinstance(value, (jax.Array, jax.core.Tracer))
+  if isinstance(default, str):
+    try:
+      return np.dtype(jnp.dtype(value)) == np.dtype(jnp.dtype(default))
+    except TypeError:
+      return value == default
+  return value == default
 
 
 def check_overrides(preset: str, overrides: Mapping[str, Any],

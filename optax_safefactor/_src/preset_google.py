@@ -126,6 +126,9 @@ def big_vision(
   if schedule is not None and not callable(schedule):
     raise TypeError("presets.big_vision(): schedule must be a function of the step (or None), "
                     f"got {schedule!r}")
+  if _none_if_zero(momentum) is None:
+    preset_assembly.warn_unused(big_vision, {"dtype_momentum": dtype_momentum},
+                                "momentum is off")
   overrides = preset_assembly.given(overrides)
   mask = overrides.pop("weight_decay_mask", _big_vision_wd_mask)
   # optax.inject_hyperparams hands wd over as an array, concrete in init and traced in
@@ -362,6 +365,17 @@ def t5x(
   preset_assembly.check_number("t5x", "weight_decay_rate_lr_exponent",
                                weight_decay_rate_lr_exponent, "finite (or None)", math.isfinite,
                                none_ok=True)
+  # T5X ignores these silently; a value chosen for them is warned of.
+  if beta1 is None:
+    preset_assembly.warn_unused(t5x, {"dtype_momentum": dtype_momentum},
+                                "beta1 is None (no momentum)")
+  if not multiply_by_parameter_scale:
+    preset_assembly.warn_unused(t5x, {"epsilon2": epsilon2,
+                                      "max_parameter_scale": max_parameter_scale},
+                                "multiply_by_parameter_scale is False")
+  if not factored:
+    preset_assembly.warn_unused(t5x, {"min_dim_size_to_factor": min_dim_size_to_factor},
+                                "factored is False")
   if global_norm_clip_threshold and overrides.get("skip_spikes") is not None:
     # The spike rule judges the gradients safefactor is given: behind the clip every step,
     # a spike included, arrives at the clip's norm, and no spike would ever be skipped.

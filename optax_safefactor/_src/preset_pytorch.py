@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -168,6 +170,10 @@ def transformers(
                                lambda x: 0 <= x < 1, none_ok=True)
   preset_assembly.check_number("transformers", "weight_decay", weight_decay, "finite",
                                math.isfinite)
+  if not scale_parameter and eps2 != inspect.signature(transformers).parameters["eps"].default[1]:
+    # HF ignores it silently; a value chosen for it is warned of.
+    warnings.warn(f"presets.transformers(): eps[1]={eps2!r} has no effect: scale_parameter is "
+                  "False", UserWarning, stacklevel=2)
   if lr is not None and relative_step:
     raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
   if warmup_init and not relative_step:
