@@ -317,11 +317,32 @@ def _adopt_rounding_of_narrow_momentum(reference, state, momentum_dtypes, comput
     reference.first[path] = actual
 
 
-def run_against_reference(tx, reference, problem, *, sign=1.0, momentum_dtypes=None):
+def _poisoned_steps(tx_guarded: bool, seed: int) -> frozenset:
+  """Up to 3 of the steps, drawn from ``seed``, whose gradient a guarded run poisons."""
+  if not tx_guarded:
+    return frozenset()
+  rng = np.random.default_rng(seed + 1)
+  return frozenset(rng.choice(STEPS, size=rng.integers(0, 4), replace=False).tolist())
+
+
+def _poison(grads, step: int):
+  """``grads`` with one element of one leaf NaN, +Inf or -Inf (by ``step``)."""
+  by_path = _by_path(grads)
+  path = sorted(by_path)[step % len(by_path)]
+  bad = (np.nan, np.inf, -np.inf)[step % 3]
+  return _tree_of({p: g.reshape(-1).at[step % g.size].set(bad).reshape(g.shape) if p == path
+                   else g for p, g in by_path.items()})
+
+
+def run_against_reference(tx, reference, problem, *, sign=1.0, momentum_dtypes=None,
+                          poisoned=frozenset()):
   """``STEPS`` jitted updates from ``problem``, each leaf checked against ``reference``.
 
   ``sign`` is -1 for scale_by_safe_factored_rms, whose update is the scaled gradient
-  where the reference's is a step down it.
+  where the reference's is a step down it. At the ``poisoned`` steps one gradient element
+  is non-finite: the guarded step must be skipped whole (zero updates, the state as it
+  was but its counters) and the reference does not step, so every schedule, offset and
+  moving average after it must go on as if the step had never come.
   """
   params = problem.params
   state = tx.init(params)
@@ -329,6 +350,15 @@ def run_against_reference(tx, reference, problem, *, sign=1.0, momentum_dtypes=N
   compute_dtypes = {p: _compute_real_dtype(problem.dtypes[p]) for p, _ in PATHS_AND_SHAPES}
   for step in range(STEPS):
     grads = problem.grads()
+    if step in poisoned:
+      updates, skipped_state = update(_poison(grads, step), state, params)
+      assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates)), step
+      before, after = jax.tree.leaves(state.inner_state), jax.tree.leaves(
+          skipped_state.inner_state)
+      assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after,
+                                                                      strict=True)), step
+      state = skipped_state
+      continue
     updates, state = update(grads, state, params)
     expected = reference.step({p: np.asarray(g) for p, g in _by_path(grads).items()},
                               {p: np.asarray(x) for p, x in _by_path(params).items()})
@@ -342,7 +372,7 @@ def run_against_reference(tx, reference, problem, *, sign=1.0, momentum_dtypes=N
       _adopt_rounding_of_narrow_momentum(reference, state, momentum_dtypes, compute_dtypes)
     params = optax.apply_updates(params, updates)
   if isinstance(state, osf.SkipNonfiniteState):
-    assert int(osf.skipped_steps(state)) == 0
+    assert int(osf.skipped_steps(state)) == len(poisoned)
 
 
 def _reference_for(config, problem, roles_by_path, decay_masks=None):
@@ -383,7 +413,8 @@ def _check_safefactor(config, roles_by_path, masks, dtypes, seed):
     tx = osf.safefactor(**config, weight_decay_mask=mask,
                         factor_rules=_rules_from(roles_by_path))
     reference, momentum_dtypes = _reference_for(config, problem, roles_by_path, decay_masks)
-    run_against_reference(tx, reference, problem, momentum_dtypes=momentum_dtypes)
+    run_against_reference(tx, reference, problem, momentum_dtypes=momentum_dtypes,
+                          poisoned=_poisoned_steps(config["skip_nonfinite_steps"], seed))
 
 
 # Tests --------------------------------------------------------------------------------
@@ -487,7 +518,8 @@ def test_scale_by_safe_factored_rms_follows_the_reference(
     reference.init(path, shape, reference_plan_from_roles(
         shape, roles, config["factored"], config["min_dim_size_to_factor"]),
         dtype=problem.dtypes[path])
-  run_against_reference(tx, reference, problem, sign=-1.0)
+  run_against_reference(tx, reference, problem, sign=-1.0,
+                        poisoned=_poisoned_steps(skip_nonfinite_steps, seed))
 
 
 @pytest.mark.parametrize("roles", [("none", None), (None, "none")])
