@@ -163,7 +163,8 @@ SECOND_MOMENT = dict(
 
 SAFEFACTOR = dict(
     SECOND_MOMENT,
-    learning_rate=scalar_or_schedule(1e-3, 0.1),
+    # None: the update is the unscaled direction, for a later transformation to scale.
+    learning_rate=st.none() | scalar_or_schedule(1e-3, 0.1),
     # Thresholds other than 1 (a threshold multiplied instead of divided shows there), below
     # 1 too, as optax takes.
     clipping_threshold=st.sampled_from([None, 1.0, 0.5, 1.5, 10.0]),
@@ -175,7 +176,8 @@ SAFEFACTOR = dict(
     momentum=st.sampled_from([None, 0.0, 0.5, 0.9]),
     # bfloat16: the stored moment is rounded (not the step's update); None: the
     # param's dtype, complex for complex params.
-    dtype_momentum=st.sampled_from(["float32", "bfloat16", "complex64", None]),
+    dtype_momentum=st.sampled_from(["float32", "bfloat16", "complex64", None,
+                                    "at_least_float32"]),
     weight_decay_rate=st.none() | scalar_or_schedule(1e-3, 0.2),
     # On finite steps the guard must change nothing.
     skip_nonfinite_steps=st.booleans(),
@@ -279,6 +281,8 @@ def stored_momentum_dtype(dtype_momentum, param_dtype) -> np.dtype:
   complex name means its parts' precision (complex64: float32 for a real param)."""
   if dtype_momentum is None:
     return np.dtype(param_dtype)
+  if dtype_momentum == "at_least_float32":  # PyTorch's rule: the param's, widened
+    return np.promote_types(param_dtype, np.float32)
   dtype = np.dtype(jnp.dtype(dtype_momentum))
   if np.issubdtype(dtype, np.complexfloating):
     dtype = np.dtype(np.float32 if dtype.itemsize == 8 else np.float64)
