@@ -445,3 +445,13 @@ def test_a_traced_state_is_refused_with_what_works_inside_jit():
                                         r"skipped_steps\(opt_state\)"):
       jax.jit(report)(state)
   assert int(jax.jit(osf.skipped_steps)(state)) == 0
+
+
+def test_an_abstract_state_is_refused_saying_it_holds_shapes():
+  # jax.eval_shape's state (the restore target the checkpoints guide builds) failed in
+  # int() or with the message for a vmapped state.
+  abstract = jax.eval_shape(osf.safefactor(0.1).init, {"w": jnp.ones((4, 3))})
+  for report in (osf.skipped_steps, osf.skipped_spikes, osf.nonfinite_summary,
+                 osf.nonfinite_report):
+    with pytest.raises(TypeError, match=r"this optimizer state is abstract \(jax.eval_shape's"):
+      report(abstract)

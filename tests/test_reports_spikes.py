@@ -172,3 +172,36 @@ def test_the_spike_names_the_packed_leaf_with_the_largest_gradient(largest):
   assert report[f"last_spike_largest_gradient/params['{largest}']"] == pytest.approx(
       leaf_norm, rel=1e-6)
   assert osf.nonfinite_summary(state).endswith(f", largest in params['{largest}'])")
+
+
+def test_check_nonfinite_steps_names_the_last_nonfinite_step_after_a_spike():
+  # Two NaN steps, then a spike: the error named the spike's step (6) and "(optimizer state
+  # only)", where the non-finite leaf was params['b'], at step 5.
+  tx = osf.safefactor(0.1, skip_spikes=6.0, spike_window=4)
+  params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+  state, update = tx.init(params), jax.jit(tx.update)
+  for b in [1.0] * 4 + [np.nan] * 2:
+    _, state = update({"w": jnp.ones((4, 3)), "b": jnp.ones(3).at[0].set(b)}, state, params)
+  _, state = update({"w": jnp.full((4, 3), 100.0), "b": jnp.full(3, 100.0)}, state, params)
+  assert int(osf.skipped_spikes(state)) == 1
+  with pytest.raises(osf.NonFiniteStepsError, match=r"2 consecutive optimizer steps were "
+                                                    r"non-finite .* at step 5 the non-finite "
+                                                    r"leaves were: params\['b'\]\."):
+    osf.check_nonfinite_steps(state, 2)
+
+
+def test_finite_gradients_whose_norm_overflows_are_a_spike():
+  # skip_nonfinite's spike rule read a norm that overflowed float32 (finite gradients of
+  # 1e20) as a step it could not judge: the update of -1e19 was applied, nothing counted.
+  tx = osf.skip_nonfinite(optax.sgd(0.1), skip_spikes=6.0, spike_window=4)
+  params = {"w": jnp.ones((4, 3))}
+  state, update = tx.init(params), jax.jit(tx.update)
+  for scale in (1.0, 1.1, 0.9, 1.0, 1e20):
+    updates, state = update({"w": jnp.full((4, 3), scale)}, state, params)
+  assert not np.any(np.asarray(updates["w"]))
+  assert int(osf.skipped_spikes(state)) == 1 and int(osf.skipped_steps(state)) == 1
+  assert "gradient norm inf > limit" in osf.nonfinite_summary(state)
+  # Before the rule judges (half the window), such a step is not a spike: it is applied.
+  state = tx.init(params)
+  updates, state = update({"w": jnp.full((4, 3), 1e20)}, state, params)
+  assert int(osf.skipped_steps(state)) == 0 and float(updates["w"][0, 0]) == pytest.approx(-1e19)

@@ -304,4 +304,9 @@ def find_counters(opt_state: Any) -> list[SkipNonfiniteState | MicroBatchCounter
         "skip_nonfinite (safefactor does so unless skip_nonfinite_steps=False) or "
         "accumulate_gradients?"
     )
+  if any(isinstance(unbox(guard.skipped_steps), jax.ShapeDtypeStruct) for guard in found):
+    raise TypeError(
+        "this optimizer state is abstract (jax.eval_shape's, or a checkpoint's restore "
+        "target): it holds shapes, not counts; pass the state a step returned or the one "
+        "restored into it")
   return found

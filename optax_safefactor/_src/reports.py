@@ -432,6 +432,12 @@ def check_nonfinite_steps(opt_state: Any, max_consecutive: int) -> None:
   for record in guard_records(opt_state):
     if record.consecutive >= max_consecutive:
       last_step = record.calls - 1
+      named = [step for step in (*record.last_nonfinite.values(),
+                                 *record.last_hyperparams.values()) if step >= 0]
+      if record.spikes is not None and record.spikes.last_step == last_step and named:
+        # A spike skip neither ends nor extends a run of non-finite steps: the last of
+        # them came before it.
+        last_step = max(named)
       bad = [path for path, last in record.last_nonfinite.items() if last == last_step]
       bad_hyperparams = [name for name, last in record.last_hyperparams.items()
                          if last == last_step]

@@ -342,6 +342,10 @@ def judge(history: SpikeHistory, sums: jax.Array, loss: jax.Array | None,
   by_norm = spike_limit(history.gradient_norms, filled, gradient_norm, threshold, window // 2)
   by_loss = spike_limit(history.losses, filled & jnp.isfinite(history.losses), loss,
                         threshold, window // 2)
+  # Finite gradients whose float32 sum of squares overflows (about 1.8e19 each, everywhere)
+  # are above any finite limit: a spike once the rule judges, not a step it cannot see.
+  overflowed = jnp.isposinf(gradient_norm) & (history.length >= window // 2)
+  by_norm = by_norm._replace(spike=by_norm.spike | overflowed)
   spike = step_finite & (by_norm.spike | by_loss.spike)
   within_bound = history.consecutive_spikes < window // 2
   on_loss = by_loss.spike & ~by_norm.spike
