@@ -230,6 +230,26 @@ def test_a_guard_around_reduce_on_plateau_steps_past_its_infinite_best_value():
   assert int(osf.skipped_steps(state)) == 0
 
 
+def test_an_injected_hyperparameter_infinite_by_design_is_a_setting_not_a_skip():
+  # max_norm=inf means no clipping: the guard skipped every step for ever. A NaN, or an
+  # infinity the step made (a schedule's), is still skipped and named.
+  params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.full((4, 3), 0.1)}
+  inner = optax.chain(optax.inject_hyperparams(optax.clip_by_global_norm)(
+      max_norm=float("inf")), optax.sgd(0.1))
+  tx = osf.skip_nonfinite(inner)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  expected, _ = inner.update(grads, inner.init(params), params)
+  assert_trees_close(updates, expected, rtol=0)
+  assert int(osf.skipped_steps(state)) == 0
+  schedule = lambda count: jnp.where(count >= 1, jnp.inf, 0.1)  # noqa: E731
+  tx = osf.skip_nonfinite(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = jax.jit(tx.update)(grads, state, params)
+  assert int(osf.skipped_steps(state)) == 2
+  assert "hyperparameter learning_rate x2" in osf.nonfinite_summary(state)
+
+
 class _Scalar(typing.NamedTuple):
   total: jax.Array
 

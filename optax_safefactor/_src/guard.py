@@ -432,9 +432,12 @@ def skip_nonfinite(
         raise grads_error from error
     leaf_finite = _leaf_finite_from_outputs(new_updates, _without_spike_histories(new_inner),
                                             _without_spike_histories(state.inner_state))
-    # The values optax.inject_hyperparams used this step, kept in the new inner state.
-    hyperparams = injected_hyperparams(new_inner).values()
-    hyperparams_finite = (flag_vector([jnp.all(jnp.isfinite(v)) for v in hyperparams])
+    # The values optax.inject_hyperparams used this step, kept in the new inner state; one
+    # infinite as it was is a setting (max_norm=inf: no clipping), as for the state's scalars.
+    hyperparams = injected_hyperparams(new_inner)
+    before = injected_hyperparams(state.inner_state)
+    hyperparams_finite = (flag_vector([_finite_or_kept(value, before.get(name))
+                                       for name, value in hyperparams.items()])
                           if hyperparams else None)
     step_finite = xla_hints.computed_once(
         [leaf_finite] + ([] if hyperparams_finite is None else [hyperparams_finite]))
