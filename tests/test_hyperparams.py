@@ -412,3 +412,15 @@ def test_a_64_bit_state_without_64_bit_jax_is_refused_at_init(kwargs, x64):
   with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(value))} needs 64-bit JAX, "
                                        r"which is off"):
     tx.init({"w": jnp.ones((4, 3))})
+
+
+def test_an_injected_max_consecutive_skips_below_one_is_named_not_read_as_skips():
+  # Injected as 0 after init, it stopped a healthy jitted step with "0 consecutive
+  # optimizer steps were non-finite and skipped ... (optimizer state only)".
+  params = {"w": jnp.ones((4, 3))}
+  tx = optax.inject_hyperparams(osf.safefactor)(learning_rate=0.1, max_consecutive_skips=2)
+  state = tx.init(params)
+  state.hyperparams["max_consecutive_skips"] = jnp.asarray(0)
+  with pytest.raises(Exception, match=r"max_consecutive_skips must be an int of at least 1, "
+                                      r"got 0 \(injected\)"):
+    jax.block_until_ready(jax.jit(tx.update)(params, state, params))

@@ -60,6 +60,10 @@ def _raise_if_over(consecutive, step, leaf_finite, hyperparams_finite, max_conse
   """On the host: raise :class:`NonFiniteStepsError` naming the hyperparameters and the
   leaves that were not finite."""
   max_consecutive = int(max_consecutive)
+  if max_consecutive < 1:
+    # Construction refuses it; optax.inject_hyperparams can hand it over later.
+    raise ValueError(f"max_consecutive_skips must be an int of at least 1, got "
+                     f"{max_consecutive} (injected): it would stop every step")
   if int(consecutive) >= max_consecutive:
     def bad(names, finite):
       return [name for name, ok in zip(names, np.asarray(finite), strict=True) if not ok]
