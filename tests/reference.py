@@ -96,11 +96,20 @@ class ReferenceAdafactor:
   decay_rate_fn: Any = None
   weight_decay_mask: dict | None = None
   momentum_dtype: dict = field(default_factory=dict)
+  # The dtype the second-moment statistics are stored in, rounded to nearest after each
+  # blend and at the floor (None: float64, never rounded).
+  statistics_dtype: Any = None
   count: int = 0
   row: dict = field(default_factory=dict)
   col: dict = field(default_factory=dict)
   full: dict = field(default_factory=dict)
   first: dict = field(default_factory=dict)
+
+  def _stored(self, statistic):
+    """A statistic as it is kept: rounded to nearest in ``statistics_dtype``, if set."""
+    if self.statistics_dtype is None:
+      return statistic
+    return np.asarray(statistic).astype(self.statistics_dtype).astype(np.float64)
 
   def init(self, name: str, shape: tuple[int, ...], plan, batch_axes=(), dtype=np.float32):
     """``plan`` is ``(row_axes, col_axes[, batch_axes])`` or ``None`` (unfactored).
@@ -109,7 +118,7 @@ class ReferenceAdafactor:
     scale are computed per slice. ``dtype`` is the leaf's, for the floor the
     statistics start at.
     """
-    floor = max(self.eps, smallest_normal(dtype))
+    floor = self._stored(np.float64(max(self.eps, smallest_normal(dtype))))
     if plan is not None and len(plan) == 3:
       batch_axes = plan[2]
       plan = plan[:2] if plan[0] else None
@@ -174,11 +183,13 @@ class ReferenceAdafactor:
       g_sq = np.abs(g) ** 2 + self.eps
       plan = self.plans[name]
       if plan is None:
-        self.full[name] = beta2 * self.full[name] + (1 - beta2) * g_sq
+        self.full[name] = self._stored(beta2 * self.full[name] + (1 - beta2) * g_sq)
       else:
         row_axes, col_axes = plan
-        self.row[name] = beta2 * self.row[name] + (1 - beta2) * g_sq.mean(col_axes, keepdims=True)
-        self.col[name] = beta2 * self.col[name] + (1 - beta2) * g_sq.mean(row_axes, keepdims=True)
+        self.row[name] = self._stored(
+            beta2 * self.row[name] + (1 - beta2) * g_sq.mean(col_axes, keepdims=True))
+        self.col[name] = self._stored(
+            beta2 * self.col[name] + (1 - beta2) * g_sq.mean(row_axes, keepdims=True))
       u = g * self._inverse_rms_estimate(name, tiny)
       slice_axes = tuple(a for a in range(g.ndim) if a not in self.batch_axes[name])
 
