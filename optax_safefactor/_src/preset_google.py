@@ -110,7 +110,8 @@ def big_vision(
     A :class:`optax.GradientTransformationExtraArgs`.
 
   Raises:
-    TypeError: for an override this preset sets itself or ``safefactor`` does not know.
+    TypeError: for a number that is not one (a string, say), a switch that is not True or
+      False, or an override this preset sets itself or ``safefactor`` does not know.
     ValueError: for a value ``safefactor`` refuses, or a rounding ``param_rounding``.
   """
   taken = {"learning_rate": "learning_rate and schedule", "weight_decay_rate": "wd",

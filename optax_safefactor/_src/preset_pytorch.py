@@ -145,7 +145,8 @@ def transformers(
     ValueError: as HF raises (``lr`` with ``relative_step``, ``warmup_init`` without it),
       for no learning rate at all, a non-negative ``decay_rate``, a ``clip_threshold``
       that is not positive and finite.
-    TypeError: for an override this preset sets itself or ``safefactor`` does not know.
+    TypeError: for a number that is not one (a string, say), a switch that is not True or
+      False, or an override this preset sets itself or ``safefactor`` does not know.
   """
   taken = {"learning_rate": "lr, relative_step and warmup_init", "eps": "eps[0]",
            "min_parameter_scale": "eps[1]", "clipping_threshold": "clip_threshold",
@@ -302,7 +303,8 @@ def torch(
   Raises:
     ValueError: for a negative ``lr``, ``eps`` or ``weight_decay``, a non-negative
       ``beta2_decay``, ``d`` below 1.
-    TypeError: for an override this preset sets itself or ``safefactor`` does not know.
+    TypeError: for a number that is not one (a string, say), a switch that is not True or
+      False, or an override this preset sets itself or ``safefactor`` does not know.
   """
   del foreach
   taken = {"learning_rate": "lr", "eps": "eps[0]", "min_parameter_scale": "eps[1]",
