@@ -62,7 +62,7 @@ class LeafCounts:
   def per_leaf(self) -> Any:
     """The counts shaped like the params: an int32 scalar per leaf (for abstract counts,
     a ``jax.ShapeDtypeStruct`` per leaf, placed as the vector is)."""
-    counts = _one_members(unbox(self.counts), "LeafCounts")
+    counts = _one_optimizers(unbox(self.counts), "LeafCounts")
     if isinstance(counts, jax.ShapeDtypeStruct):
       sharding = counts.sharding
       if isinstance(sharding, jax.sharding.NamedSharding):  # the vector is replicated
@@ -73,7 +73,7 @@ class LeafCounts:
 
   def host_values(self) -> dict[str, int]:
     """The counts as host ints by parameter path."""
-    counts = _one_members(np.asarray(unbox(self.counts)), "LeafCounts")
+    counts = _one_optimizers(np.asarray(unbox(self.counts)), "LeafCounts")
     return dict(zip(self.names(), counts.tolist(), strict=True))
 
   @classmethod
@@ -83,7 +83,7 @@ class LeafCounts:
     return cls(jnp.asarray([unbox(x) for x in leaves], jnp.int32), treedef)
 
 
-def _one_members(counts: Any, owner: str) -> Any:
+def _one_optimizers(counts: Any, owner: str) -> Any:
   """``counts`` if it is one optimizer's vector; a ``ValueError`` for a batch of them
   (jax.vmap over init and update, an ensemble), whose rows are members, not leaves."""
   if len(counts.shape) != 1:
@@ -132,7 +132,7 @@ class HyperparamCounts:
 
   def host_values(self) -> tuple[dict[str, int], dict[str, int]]:
     """The counts and last steps as host ints by name."""
-    counts = _one_members(np.asarray(unbox(self.counts)), "HyperparamCounts").tolist()
+    counts = _one_optimizers(np.asarray(unbox(self.counts)), "HyperparamCounts").tolist()
     last = np.asarray(unbox(self.last_step)).tolist()
     return dict(zip(self.names, counts, strict=True)), dict(zip(self.names, last, strict=True))
 

@@ -37,6 +37,18 @@ def given(overrides: Mapping[str, Any]) -> dict[str, Any]:
           if not (name == "overrides" and isinstance(value, dict) and not value)}
 
 
+def is_set(value: Any) -> bool:
+  """Whether a preset's number turns its step on: a nonzero number (the originals' ``or``:
+  0 is off), or any array. ``optax.inject_hyperparams`` hands numbers over as arrays,
+  concrete in init and traced in update; both must build the same chain, so an array is
+  on (a zero one steps by zero).
+
+  >>> is_set(0.0), is_set(0.1), is_set(None), is_set(jnp.zeros([]))
+  (False, True, False, True)
+  """
+  return isinstance(value, (jax.Array, jax.core.Tracer)) or bool(value)
+
+
 def check_switches(preset: str, **switches: Any) -> None:
   """Each of a preset's own switches is ``True`` or ``False``: a string ``"False"`` from a
   config file read as True (``torch(maximize="False")`` maximised). Under
@@ -86,8 +98,8 @@ def check_number(preset: str, name: str, value: Any, requirement: str,
     raise ValueError(f"presets.{preset}(): {name} must be {requirement}, got {value!r}")
 
 
-def warn_unused(preset: Callable[..., Any], given: Mapping[str, Any], why: str) -> None:
-  """Warn of each of ``preset``'s own arguments in ``given`` (name -> value) that differs
+def warn_unused(preset: Callable[..., Any], values: Mapping[str, Any], why: str) -> None:
+  """Warn of each of ``preset``'s own arguments in ``values`` (name -> value) that differs
   from the preset's default, which ``why`` leaves without effect: the preset drops it as
   the original does (T5X's ``epsilon2`` without the parameter scale, say), but a value the
   user chose is not silently ignored.
@@ -101,7 +113,7 @@ def warn_unused(preset: Callable[..., Any], given: Mapping[str, Any], why: str) 
   UserWarning: presets.t5x(): epsilon2=0.0001 has no effect: multiply_by_parameter_scale is ...
   """
   defaults = inspect.signature(preset).parameters
-  for name, value in given.items():
+  for name, value in values.items():
     if not _same(value, defaults[name].default):
       warnings.warn(f"presets.{preset.__name__}(): {name}={value!r} has no effect: {why}",
                     UserWarning, stacklevel=3)

@@ -19,9 +19,8 @@ from optax_safefactor._src.preset_assembly import Schedule
 
 
 def _none_if_zero(value: Any) -> Any:
-  """big_vision's ``or None`` (0 is off) for a number; an array (optax.inject_hyperparams
-  hands numbers over as arrays, traced in update) is kept."""
-  return value if isinstance(value, (jax.Array, jax.core.Tracer)) or value else None
+  """big_vision's ``or None`` (0 is off), an injected array kept (:func:`is_set`)."""
+  return value if preset_assembly.is_set(value) else None
 
 
 def _big_vision_wd_mask(params: Any) -> Any:
@@ -132,9 +131,7 @@ def big_vision(
                                 "momentum is off")
   overrides = preset_assembly.given(overrides)
   mask = overrides.pop("weight_decay_mask", _big_vision_wd_mask)
-  # optax.inject_hyperparams hands wd over as an array, concrete in init and traced in
-  # update; both must build the same chain, so an array decays (by zero if it is zero).
-  decays = isinstance(wd, (jax.Array, jax.core.Tracer)) or bool(wd)
+  decays = preset_assembly.is_set(wd)
   if not decays and mask is not _big_vision_wd_mask:
     warnings.warn("presets.big_vision(): weight_decay_mask says which params wd decays, and "
                   "wd is 0: it has no effect", UserWarning, stacklevel=2)

@@ -194,7 +194,7 @@ def transformers(
       clipping_threshold=clip_threshold, momentum=beta1, factor_rules=_last_two_axes,
       dtype_momentum="at_least_float32")
   after = []
-  if _decays(weight_decay):
+  if preset_assembly.is_set(weight_decay):
     if scale_parameter:
       decay = _decay_scaled_by_param_rms(weight_decay, learning_rate, eps2)
       # safefactor's weight_decay_mask says which params its own decay reaches: this
@@ -216,13 +216,6 @@ def _pair(preset: str, eps: Any) -> tuple[Any, Any]:
     raise TypeError(f"presets.{preset}(): eps must be a pair (eps[0], eps[1]), as in torch, "
                     f"got {eps!r}")
   return eps[0], eps[1]
-
-
-def _decays(weight_decay: Any) -> bool:
-  """Whether there is a weight decay: a nonzero number, or an array (optax.inject_hyperparams
-  hands every number over as one, concrete in init and traced in update, and both must
-  build the same chain, so a zero array decays by zero)."""
-  return isinstance(weight_decay, (jax.Array, jax.core.Tracer)) or weight_decay != 0
 
 
 # torch ----------------------------------------------------------------------------------
@@ -332,7 +325,7 @@ def torch(
       learning_rate=relative_step, decay_rate=-beta2_decay, eps=eps1 * eps1,
       min_parameter_scale=eps2, multiply_by_parameter_scale=True, clipping_threshold=d,
       factor_rules=_last_two_axes,
-      weight_decay_rate=preset_assembly.times(weight_decay, lr) if _decays(weight_decay)
-      else None)
+      weight_decay_rate=(preset_assembly.times(weight_decay, lr)
+                         if preset_assembly.is_set(weight_decay) else None))
   before = [optax.scale(-1.0)] if maximize else []
   return preset_assembly.build("torch", settings, overrides, before=before)
