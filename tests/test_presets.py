@@ -652,6 +652,9 @@ def test_a_preset_drops_its_own_defaults_that_its_original_ignores_without_warni
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     osf.presets.t5x(1e-2, multiply_by_parameter_scale=False, factored=False)
+    # Defaults spelt out: an equal number that is another object, a dtype by another name.
+    osf.presets.t5x(1e-2, multiply_by_parameter_scale=False, epsilon2=float("1e-3"),
+                    dtype_momentum=jnp.float32)
     osf.presets.big_vision(1e-2, momentum=None)
     osf.presets.transformers(lr=1e-3, relative_step=False, scale_parameter=False)
 
@@ -659,6 +662,10 @@ def test_a_preset_drops_its_own_defaults_that_its_original_ignores_without_warni
 @pytest.mark.parametrize("build,message", [
     (lambda: osf.presets.t5x(1e-2, multiply_by_parameter_scale=False, epsilon2=0.2),
      r"presets.t5x\(\): epsilon2=0.2 has no effect: multiply_by_parameter_scale is False"),
+    (lambda: osf.presets.t5x(1e-2, multiply_by_parameter_scale=False, epsilon2=1e-4),
+     r"presets.t5x\(\): epsilon2=0.0001 has no effect"),
+    (lambda: osf.presets.t5x(1e-2, dtype_momentum="bf16"),
+     r"presets.t5x\(\): dtype_momentum='bf16' has no effect: beta1 is None"),
     (lambda: osf.presets.t5x(1e-2, multiply_by_parameter_scale=False, max_parameter_scale=0.5),
      r"presets.t5x\(\): max_parameter_scale=0.5 has no effect"),
     (lambda: osf.presets.t5x(1e-2, factored=False, min_dim_size_to_factor=4),
@@ -670,8 +677,8 @@ def test_a_preset_drops_its_own_defaults_that_its_original_ignores_without_warni
     (lambda: osf.presets.transformers(lr=1e-3, relative_step=False, scale_parameter=False,
                                       eps=(1e-30, 0.1)),
      r"presets.transformers\(\): eps\[1\]=0.1 has no effect: scale_parameter is False"),
-], ids=["t5x-epsilon2", "t5x-max-scale", "t5x-size", "t5x-momentum-dtype", "big_vision",
-        "transformers"])
+], ids=["t5x-epsilon2", "t5x-smaller-epsilon2", "t5x-unknown-dtype", "t5x-max-scale",
+        "t5x-size", "t5x-momentum-dtype", "big_vision", "transformers"])
 def test_a_preset_warns_of_a_value_chosen_for_what_its_original_ignores(build, message):
   # The originals ignore them silently, and so did the presets: a value the user chose
   # was dropped without a word. It is named as the preset's own argument.

@@ -124,11 +124,11 @@ def _same(value: Any, default: Any) -> bool:
   cannot be judged here, counts as the default)."""
   if value is None or default is None or isinstance(value, (jax.Array, jax.core.Tracer)):
     return value is default or isinstance(value, (jax.Array, jax.core.Tracer))
-  if isinstance(default, str):
+  if isinstance(default, str):  # a dtype's name: the value is the default by any name
     try:
       return np.dtype(jnp.dtype(value)) == np.dtype(jnp.dtype(default))
-    except TypeError:
-      return value == default
+    except TypeError:  # no dtype at all, so not the default one
+      return False
   return value == default
 
 
