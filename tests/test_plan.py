@@ -1,9 +1,12 @@
 """The factoring plan: the optax heuristic, its round trip through the state's shapes, and
 factor rules (per-axis roles, batch axes for stacked layers and experts, logical names)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -113,6 +116,35 @@ def test_logical_names_given_as_lists_are_names_not_params():
                            and all(n is None or isinstance(n, str) for n in x))
   expected = osf.safefactor(factor_rules=osf.logical_factor_rules(as_tuples)).init(params)
   assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, expected)
+
+
+def test_a_misspelt_logical_name_warns_and_names_the_param_it_meant():
+  # A path in the names' tree that matched no param was dropped without a word: the
+  # stacked param it meant was factored over its layers axis by the heuristic.
+  params = {"blocks": {"kernel": jnp.ones((4, 300, 200))}, "bias": jnp.ones((200,))}
+  misspelt = {"blocks": {"kernal": ("layers", "embed", "mlp")}}
+  with pytest.warns(UserWarning, match=r"params\['blocks'\]\['kernal'\] \(closest unnamed "
+                    r"param: params\['blocks'\]\['kernel'\]\)"):
+    osf.safefactor(factor_rules=osf.logical_factor_rules(misspelt)).init(params)
+  with pytest.warns(UserWarning, match="param_logical_axes names params .* blocks/kernal"):
+    osf.presets.t5x(1e-2, logical_factor_rules="standard",
+                    param_logical_axes=misspelt).init(params)
+
+
+def test_names_for_params_elsewhere_or_for_some_params_only_do_not_warn():
+  # One names' tree for a whole model, split by optax.multi_transform; or names for the
+  # stacked params only. Neither is a misspelling.
+  params = {"blocks": {"kernel": jnp.ones((4, 300, 200))}, "head": jnp.ones((300, 200))}
+  axis_names = {"blocks": {"kernel": ("layers", "embed", "mlp")}, "head": ("embed", "vocab")}
+  rules = osf.logical_factor_rules(axis_names)
+  tx = optax.multi_transform({"stack": osf.safefactor(factor_rules=rules),
+                              "head": osf.safefactor(factor_rules=rules)},
+                             {"blocks": "stack", "head": "head"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.init(params)
+    osf.safefactor(factor_rules=osf.logical_factor_rules(
+        {"blocks": axis_names["blocks"]})).init(params)
 
 
 def test_explicit_roles_factor_a_conv_kernel_like_the_reference(rng):

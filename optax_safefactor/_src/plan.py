@@ -12,8 +12,10 @@ is why ``update`` asks the planner rather than the state.
 
 from __future__ import annotations
 
+import difflib
 import math
 import types
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -224,10 +226,69 @@ def _is_names(node: Any) -> bool:
       isinstance(node, list) and all(name is None or isinstance(name, str) for name in node))
 
 
+class NamedParamRules:
+  """``factor_rules`` read off a table of params by name, which knows the names it holds.
+
+  ``roles(name, entry, shape)`` gives a named param's roles; a param the table does not
+  name is left to the heuristic. Because of that, a misspelt name costs nothing visible:
+  the param it meant is factored by the heuristic (a stacked ``layers`` axis as a matrix
+  axis). :meth:`misspelt` finds that case for ``init`` to warn of.
+  """
+
+  def __init__(self, entries: Mapping[str, Any], name_of: Callable[[Any], str],
+               roles: Callable[[str, Any, tuple[int, ...]], Roles | None], origin: str):
+    self._entries = dict(entries)
+    self._name_of = name_of
+    self._roles = roles
+    self._origin = origin
+
+  def __call__(self, path: Any, shape: tuple[int, ...]) -> Roles | None:
+    name = self._name_of(path)
+    if name not in self._entries:
+      return None
+    return self._roles(name, self._entries[name], tuple(shape))
+
+  def misspelt(self, paths_and_shapes: Iterable[tuple[Any, Sequence[int]]]) -> str | None:
+    """A warning when the table names a param the tree lacks while a param of two or
+    more axes goes unnamed. Either alone is ordinary: one table may name a whole model
+    whose params ``optax.multi_transform`` splits, or name only the stacked params."""
+    names = {self._name_of(path): len(shape) for path, shape in paths_and_shapes}
+    absent = sorted(set(self._entries) - set(names))
+    unnamed = sorted(name for name, rank in names.items()
+                     if rank >= 2 and name not in self._entries)
+    if not absent or not unnamed:
+      return None
+    guesses = [f"{name} (closest unnamed param: {close[0]})"
+               if (close := difflib.get_close_matches(name, unnamed, n=1, cutoff=0.5))
+               else name for name in absent]
+    return (f"{self._origin} names params this tree does not have: {', '.join(guesses)}; "
+            f"and {len(unnamed)} param(s) of two or more axes have no names, so the "
+            f"heuristic factors them ({', '.join(unnamed[:3])}"
+            f"{', ...' if len(unnamed) > 3 else ''}). Check the names' tree against the "
+            "params' paths")
+
+
+def warn_if_misspelt(factor_rules: Any,
+                     paths_and_shapes: Iterable[tuple[Any, Sequence[int]]]) -> None:
+  """Warn, once per ``init``, of names in ``factor_rules`` that match no param."""
+  if isinstance(factor_rules, NamedParamRules):
+    message = factor_rules.misspelt(paths_and_shapes)
+    if message is not None:
+      warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _key_path(path: Any) -> str:
+  return "params" + jax.tree_util.keystr(tuple(path))
+
+
 def logical_factor_rules(
     axis_names: Any, rules: Mapping[str, str] | None = None
-) -> FactorRulesFn:
+) -> NamedParamRules:
   """Factor rules from logical axis names (flax partitioning names, T5X style).
+
+  ``init`` warns when ``axis_names`` names a param the tree does not have while a param
+  of two or more axes has no names: a misspelt path, which would leave that param to the
+  heuristic.
 
   Args:
     axis_names: a tree like the params whose leaves are tuples (or lists) of logical axis
@@ -246,17 +307,14 @@ def logical_factor_rules(
   """
   rules = DEFAULT_LOGICAL_RULES if rules is None else rules
   names_by_path = {
-      jax.tree_util.keystr(path): tuple(names)
+      _key_path(path): tuple(names)
       for path, names in jax.tree_util.tree_flatten_with_path(axis_names, is_leaf=_is_names)[0]
   }
 
-  def roles_for(path, shape):
-    names = names_by_path.get(jax.tree_util.keystr(tuple(path)))
-    if names is None:
-      return None
-    return tuple(None if name is None else rules.get(name) for name in names)
+  def roles_for(name, names, shape):
+    return tuple(None if axis is None else rules.get(axis) for axis in names)
 
-  return roles_for
+  return NamedParamRules(names_by_path, _key_path, roles_for, "logical_factor_rules")
 
 
 def plan_from_stat_shapes(

@@ -12,7 +12,7 @@ import jax
 import optax
 from jax.typing import DTypeLike
 
-from optax_safefactor._src import preset_assembly
+from optax_safefactor._src import plan, preset_assembly
 from optax_safefactor._src.preset_assembly import Schedule
 
 # big_vision ----------------------------------------------------------------------------
@@ -159,8 +159,6 @@ _T5X_STANDARD_RULES = {
     "q_wi_fused": "column", "o_wo_fused": "column", "multiquery_heads": "column",
     "kv_fused": "column", "layer_norm_scale": "none", "mlp_activations": "column",
 }
-# A leaf without logical axis names: the heuristic decides.
-_HEURISTIC = object()
 _T5X_ROLE_NAMES = {"row": "row", "col": "column", "column": "column", "batch": "batch",
                    "none": "none", "unfactorized": "none"}
 
@@ -200,36 +198,31 @@ def _t5x_factor_rules(factor_map: Any, logical_factor_rules: Any,
              jax.tree_util.tree_flatten_with_path(
                  param_logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
 
-    def rule_for(name: str) -> Any:
-      if name not in names:
-        return _HEURISTIC
+    def roles_of(name: str, axes: tuple[Any, ...], shape: tuple[int, ...]) -> Any:
       roles = []
-      for axis in names[name]:
+      for axis in axes:
         if axis is not None and axis not in rules:
           raise ValueError(f"params/{name}: no logical factor rule for axis {axis!r}")
         roles.append(_t5x_role(None if axis is None else rules[axis], f"params/{name}"))
       if "row" in roles and "column" in roles and "none" in roles:
         raise ValueError(f"params/{name}: incomplete Adafactor spec {tuple(roles)} for "
-                         f"{names[name]}")
+                         f"{axes}")
       if "row" not in roles or "column" not in roles:
         roles = ["none" if role in ("row", "column") else role for role in roles]
-      return tuple(roles)
-  else:
-    pairs = list(factor_map.items() if isinstance(factor_map, Mapping) else factor_map)
-    compiled = [(re.compile(pattern), rule) for pattern, rule in pairs]
+      return _t5x_roles(tuple(roles), shape, f"params/{name}")
 
-    def rule_for(name: str) -> Any:
-      for pattern, rule in compiled:
-        if pattern.search(name):
-          return rule
-      raise ValueError(f"params/{name}: no factor rule in factor_map matches")
+    return plan.NamedParamRules(names, preset_assembly.path_name, roles_of,
+                                "param_logical_axes")
+
+  pairs = list(factor_map.items() if isinstance(factor_map, Mapping) else factor_map)
+  compiled = [(re.compile(pattern), rule) for pattern, rule in pairs]
 
   def factor_rules(path, shape):
     name = preset_assembly.path_name(path)
-    rule = rule_for(name)
-    if rule is _HEURISTIC:
-      return None
-    return _t5x_roles(rule, tuple(shape), f"params/{name}")
+    for pattern, rule in compiled:
+      if pattern.search(name):
+        return _t5x_roles(rule, tuple(shape), f"params/{name}")
+    raise ValueError(f"params/{name}: no factor rule in factor_map matches")
 
   return factor_rules
 

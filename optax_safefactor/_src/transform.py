@@ -32,7 +32,7 @@ from optax_safefactor._src import (
   xla_hints,
 )
 from optax_safefactor._src.hyperparams import Hyperparams
-from optax_safefactor._src.plan import Planner
+from optax_safefactor._src.plan import Planner, warn_if_misspelt
 from optax_safefactor._src.trees import flag_vector, keep_unless_skipped, unzip_leaf_results
 
 
@@ -99,12 +99,14 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
   def init_fn(params):
     _check_64_bit_state(hp)
+    planned = []
 
     def init_leaf(path, param):
       leaf = placement.leaf_placement(param)
       value = leaf.value
       checks.check_param_leaf(path, value)
       moment = kernel.init_moment(leaf, planner(path, value.shape), hp.state_dtype, hp.eps)
+      planned.append((path, value.shape))
       momentum = None
       if hp.momentum is not None:
         dtype = numerics.momentum_dtype(hp.dtype_momentum, value.dtype)
@@ -115,6 +117,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       return moment, momentum, compensation, value
 
     per_leaf = jax.tree_util.tree_map_with_path(init_leaf, params, is_leaf=placement.is_box)
+    warn_if_misspelt(hp.factor_rules, planned)
     reference = jax.tree.map(lambda _: 0, params, is_leaf=placement.is_box)
     second_moment, momentum, compensation, values = unzip_leaf_results(reference, per_leaf, 4)
     if hp.weight_decay_rate is not None:
