@@ -401,3 +401,35 @@ def test_an_accumulation_state_given_to_the_optimizer_it_wraps_says_so():
                                       r"makes an AccumulationState \(pass it to that "
                                       r"transformation's update"):
     osf.safefactor(0.1).update(params, state, params)
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+@pytest.mark.parametrize("abstract", ["grads", "params"])
+def test_grads_or_params_with_no_values_are_named(name, abstract):
+  # A jax.ShapeDtypeStruct has a shape and a dtype, so it passed the leaf checks and
+  # failed deep in the step: "'ShapeDtypeStruct' object has no attribute 'astype'".
+  params = _params()
+  tx = TRANSFORMATIONS[name].build()
+  grads = _abstract(params) if abstract == "grads" else params
+  given = params if abstract == "grads" else _abstract(params)
+  what = abstract[:-1]
+  with pytest.raises(TypeError, match=rf"params\['dense'\]\['bias'\]: {what} is a "
+                                      r"jax.ShapeDtypeStruct, a shape with no values.*"
+                                      r"jax.eval_shape\(optimizer.update"):
+    tx.update(grads, tx.init(params), given)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_a_restore_target_passed_as_the_state_is_named(name):
+  # jax.eval_shape(optimizer.init, params) is orbax's restore target; stepped by mistake
+  # it failed on "int() argument must be ... not 'ShapeDtypeStruct'".
+  params = _params()
+  tx = TRANSFORMATIONS[name].build()
+  target = jax.eval_shape(tx.init, params)
+  with pytest.raises(TypeError, match=r"opt_state\S*count is a jax.ShapeDtypeStruct.*restore "
+                                      r"a checkpoint into"):
+    tx.update(params, target, params)

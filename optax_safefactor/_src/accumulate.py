@@ -24,6 +24,7 @@ from optax_safefactor._src import (
     hyperparams,
     numerics,
     placement,
+    state_checks,
     trees,
     xla_hints,
 )
@@ -178,9 +179,9 @@ def accumulate_gradients(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    checks.check_state_type(state, AccumulationState, updates, "accumulate_gradients")
-    checks.check_counters(state, ("accumulated", "applied_steps"))
-    checks.check_counters(state.micro_batches, counters.COUNTER_FIELDS)
+    state_checks.check_state_type(state, AccumulationState, updates, "accumulate_gradients")
+    state_checks.check_counters(state, ("accumulated", "applied_steps"))
+    state_checks.check_counters(state.micro_batches, counters.COUNTER_FIELDS)
     jax.tree_util.tree_map_with_path(
         lambda path, grad: checks.check_param_leaf(path, grad, "grad"), updates)
     checks.check_same_structure(updates, state.accumulator, "the accumulator")

@@ -54,7 +54,10 @@ def safefactor(
     moment is stored in float32, whatever the parameter dtype; updates are cast
     back to the gradient dtype at the end, finite values clamped to its finite range;
   - the statistics start at an epsilon floor and every rsqrt and divisor is
-    floored, so zero gradients, dead units and masked parameters are safe;
+    floored, so zero gradients, dead units and masked parameters are safe; so is
+    differentiating through ``update`` there (learned optimizers, hyperparameter
+    gradients: ``optax.adafactor``'s derivative is NaN at an exact zero), and stochastic
+    rounding differentiates as a cast, as rounding to nearest does;
   - the factored statistics keep all axes (keepdims), so a tall matrix gets the
     transpose of the update of its transpose;
   - a step whose updates or new state would be non-finite is skipped and counted

@@ -84,13 +84,21 @@ _EXCLUDE = "exclude it with optax.masked or optax.multi_transform"
 
 
 def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
-                     any_dtype: bool = False, exclude: str = _EXCLUDE) -> None:
+                     any_dtype: bool = False, exclude: str = _EXCLUDE,
+                     stepped: bool = False) -> None:
   """A leaf must be a floating or complex array: no Python numbers, no integers or bools.
 
   ``any_dtype`` accepts integer and bool arrays too: the wrappers around any optax
   transformation leave dtypes to it (an integer leaf under ``optax.set_to_zero``, say)
-  and only need arrays. ``exclude`` says how to leave an integer leaf out.
+  and only need arrays. ``exclude`` says how to leave an integer leaf out. A leaf
+  ``stepped`` by ``update`` must have values: a ``jax.ShapeDtypeStruct`` has the shape
+  and dtype of an array and none (``init`` needs only those, and takes one).
   """
+  if stepped and isinstance(leaf, jax.ShapeDtypeStruct):
+    raise TypeError(
+        f"{path_name(path)}: {what} is a jax.ShapeDtypeStruct, a shape with no values; "
+        "update steps arrays. For the shapes and dtypes of its results, trace it with "
+        "jax.eval_shape(optimizer.update, grads, opt_state, params)")
   if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
     raise TypeError(
         f"{path_name(path)}: {what} is a {type(leaf).__name__} ({leaf!r}), not an array; "
@@ -102,121 +110,6 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
         f"{path_name(path)}: {what} dtype {leaf.dtype} is not floating or complex; "
         + exclude
     )
-
-
-def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None = None,
-                     *, inner: type | None = None) -> None:
-  """``update`` must get the state this transformation's ``init`` made (around an
-  ``inner`` state of that type, when given).
-
-  The usual mistakes are an ``optax.adafactor`` state (to be converted with
-  ``migrate_from_optax``), arguments in the wrong order, and a checkpoint restored
-  without a target (plain lists and dicts). A ``wrapper`` (its name) is usually
-  handed the state of the transformation it wraps, made by that one's own ``init``.
-  """
-  if isinstance(state, expected):
-    if inner is not None and not isinstance(state.inner_state, inner):
-      # A guard's state around another transformation's (skip_nonfinite(optax.adam)).
-      raise TypeError(
-          f"update expected {_a(expected.__name__)} around {_a(inner.__name__)} from this "
-          f"optimizer's init, got one around {_a(type(state.inner_state).__name__)}: the "
-          "state of a guard around another transformation; make the state with this "
-          "optimizer's init")
-    return
-  if isinstance(grads, expected):
-    raise TypeError(
-        "update got the optimizer state as its first argument; call "
-        "update(grads, opt_state, params)"
-    )
-  kind = type(state).__name__
-  hint = ""
-  if _shaped_like(state, grads):
-    hint = ("; it has the structure of the gradients: are the arguments swapped? call "
-            "update(grads, opt_state, params)")
-  elif isinstance(state, (list, dict)):
-    hint = ("; a checkpoint restored without a target gives plain lists and dicts: "
-            "restore with the state of optimizer.init(params) (or "
-            "jax.eval_shape(optimizer.init, params)) as the target")
-  elif kind in _MADE_BY and wrapper is None:
-    hint = (f"; {_MADE_BY[kind]}: the state was made by an optimizer of another "
-            "configuration. Make the state with this optimizer's init, or build this "
-            "optimizer with the settings of the one whose init made it")
-  elif wrapper is not None:
-    # Checked before the optax.adafactor hint: the inner transformation's state may
-    # well hold one, and migrate_from_optax does not make a wrapper's state.
-    hint = (f"; the state of the transformation it wraps (or of another optimizer) does "
-            f"not fit: make the state with the init of the {wrapper}(...) transformation")
-  elif _holds_optax_factored_state(state):
-    hint = ("; it looks like an optax.adafactor state: convert it with "
-            "osf.migrate_from_optax(optax_state, optimizer, params)")
-  raise TypeError(f"update expected {_a(expected.__name__)} from this optimizer's init, "
-                  f"got {_a(kind)}{hint}")
-
-
-# This package's states, by type name, with what makes each: the likely cause when one
-# reaches an optimizer of another configuration.
-_MADE_BY = {
-    "AdafactorState": "safefactor(..., skip_nonfinite_steps=False) and "
-                      "scale_by_safe_factored_rms make an AdafactorState",
-    "SkipNonfiniteState": "safefactor makes a SkipNonfiniteState with its guard on "
-                          "(skip_nonfinite_steps=True, the default), as skip_nonfinite(...) does",
-    "AccumulationState": "accumulate_gradients(...) makes an AccumulationState (pass it to "
-                         "that transformation's update, not to the optimizer it wraps)",
-    "ParamRoundingState": "with_param_rounding(...) makes a ParamRoundingState",
-}
-
-
-def _a(noun: str) -> str:
-  """``noun`` with its indefinite article: an AdafactorState, a SkipNonfiniteState."""
-  return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
-
-
-def _shaped_like(state: Any, grads: Any) -> bool:
-  """The state argument has the gradients' tree structure (the params passed as the state)."""
-  try:
-    return jax.tree.structure(state) == jax.tree.structure(grads) and bool(jax.tree.leaves(grads))
-  except Exception:  # a tree that jax cannot flatten is no params tree
-    return False
-
-
-# How to keep a state narrow, for the messages below: the optimizer's own dtype settings.
-_NARROW_STATE_HINT = (
-    "to keep the statistics in bfloat16, build the optimizer with state_dtype='bfloat16' "
-    "(and dtype_momentum='bfloat16' for the momentum) instead of casting its state"
-)
-
-
-def check_counters(state: Any, fields: tuple[str, ...], safefactors: bool = False) -> None:
-  """The counters of a state (its ``fields``, each a scalar or a tree of scalars) must be
-  int32: ``TypeError`` naming the counter.
-
-  A counter cast to bfloat16 with the rest of a state stops at 256 (bfloat16 has 8 bits
-  of precision), and every report built on it says too little; float32 stops at 2**24.
-  ``safefactors``: the state is safefactor's own, so its dtype settings are the advice
-  (a wrapper's inner transformation may have no such settings).
-
-  >>> import jax.numpy as jnp
-  >>> from optax_safefactor._src.transform import AdafactorState
-  >>> state = AdafactorState(jnp.zeros([], jnp.bfloat16), {})
-  >>> check_counters(state, ("count",), safefactors=True)
-  Traceback (most recent call last):
-  ...
-  TypeError: AdafactorState.count: a counter must stay int32, got bfloat16 (a bfloat16
-  count stops at 256); ...
-  """
-  for field in fields:
-    for path, counter in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
-      dtype = getattr(counter, "dtype", None)
-      if dtype is not None and np.dtype(dtype) != np.int32:
-        where = f"{type(state).__name__}.{field}{jax.tree_util.keystr(path)}"
-        stops = (f" (a {np.dtype(dtype).name} count stops at "
-                 f"{2 ** (jnp.finfo(dtype).nmant + 1)})" if jnp.issubdtype(dtype, jnp.floating)
-                 else "")
-        raise TypeError(f"{where}: a counter must stay int32, got {np.dtype(dtype).name}"
-                        f"{stops}; cast only the floating leaves of a state (jax.tree.map("
-                        "lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, "
-                        "jnp.floating) else x, opt_state))"
-                        + (f", or, {_NARROW_STATE_HINT}" if safefactors else ""))
 
 
 def check_state_dtype(path: KeyPath, what: str, found: Any, expected: Any, setting: str) -> None:
@@ -327,15 +220,6 @@ def check_leaf_compensation(path: KeyPath, grad: Any, compensation: Any) -> None
     )
 
 
-def _holds_optax_factored_state(state: Any) -> bool:
-  import optax
-
-  def is_factored(x):
-    return isinstance(x, optax.FactoredState)
-
-  return any(is_factored(x) for x in jax.tree.leaves(state, is_leaf=is_factored))
-
-
 def check_init_params(params: Any, *, any_dtype: bool = False, exclude: str = _EXCLUDE) -> None:
   """Static checks of ``init``'s params (flax boxes unboxed), naming the parameter path."""
   jax.tree_util.tree_map_with_path(
@@ -354,7 +238,7 @@ def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = Fal
   ``name`` is what the user knows ``grads`` as, in the structure error.
   """
   jax.tree_util.tree_map_with_path(
-      partial(check_param_leaf, what="grad", any_dtype=any_dtype), grads)
+      partial(check_param_leaf, what="grad", any_dtype=any_dtype, stepped=True), grads)
   if params is not None:
     check_same_structure(grads, params, "params", name=name)
     jax.tree_util.tree_map_with_path(
@@ -395,7 +279,7 @@ def check_grad_shape(path: KeyPath, grad: Any, param: Any) -> None:
 def check_grad_matches_param(path: KeyPath, grad: Any, param: Any, *,
                              any_dtype: bool = False) -> None:
   """Shapes must be equal and, unless ``any_dtype``, dtypes identical."""
-  check_param_leaf(path, param, any_dtype=any_dtype)
+  check_param_leaf(path, param, any_dtype=any_dtype, stepped=True)
   check_grad_shape(path, grad, param)
   if not any_dtype and grad.dtype != param.dtype:
     raise TypeError(

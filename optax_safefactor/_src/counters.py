@@ -203,7 +203,7 @@ class MicroBatchCounters(NamedTuple):
 COUNTER_TYPES = (SkipNonfiniteState, MicroBatchCounters)
 
 #: The counters both kinds keep, each checked to be int32 where a state comes into an
-#: ``update`` (``checks.check_counters``), before anything is traced.
+#: ``update`` (``state_checks.check_counters``), before anything is traced.
 COUNTER_FIELDS = MicroBatchCounters._fields
 
 
@@ -263,7 +263,7 @@ def count_call(counters: Counters, leaf_finite: jax.Array, call_finite: jax.Arra
   ``spike_skipped`` (when given) is True where the call was skipped as a spike, which
   counts in ``skipped_steps`` but leaves ``consecutive_skips``, the run of non-finite
   skips, as it was. Nothing but the counters changes. Their dtypes are checked where the
-  state comes in (``checks.check_counters`` with :data:`COUNTER_FIELDS`).
+  state comes in (``state_checks.check_counters`` with :data:`COUNTER_FIELDS`).
   """
   counts, last = counters.nonfinite_steps, counters.last_nonfinite_step
   if not isinstance(counts, LeafCounts) or not isinstance(last, LeafCounts):

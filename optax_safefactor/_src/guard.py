@@ -37,7 +37,15 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from optax_safefactor._src import checks, numerics, placement, reports, spikes, xla_hints
+from optax_safefactor._src import (
+    checks,
+    numerics,
+    placement,
+    reports,
+    spikes,
+    state_checks,
+    xla_hints,
+)
 from optax_safefactor._src.checked_mode import needs_checkify
 from optax_safefactor._src.counters import (
     COUNTER_FIELDS,
@@ -411,8 +419,8 @@ def skip_nonfinite(
                         tuple(injected_hyperparams(inner_state)))
 
   def update_fn(updates, state, params=None, **extra_args):
-    checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
-    checks.check_counters(state, COUNTER_FIELDS)
+    state_checks.check_state_type(state, SkipNonfiniteState, updates, "skip_nonfinite")
+    state_checks.check_counters(state, COUNTER_FIELDS)
     check_spike_state(state, skip_spikes, spike_window)
     grads_error = _grads_error(updates, params, state.nonfinite_steps.treedef)
     if grads_error is not None and skip_spikes is not None:

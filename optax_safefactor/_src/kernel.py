@@ -219,7 +219,7 @@ def scale_factors(
   stat_dtype = floor.dtype
   if isinstance(moment, FullMoment):
     stored = moment.v.astype(stat_dtype)
-    factor = jax.lax.rsqrt(jnp.maximum(stored, floor))
+    factor = numerics.rsqrt_of_floored(jnp.maximum(stored, floor))
     if poison:
       return ScaleFactors((factor + xla_hints.nan_unless_finite(stored),), None), jnp.array(True)
     return ScaleFactors((factor,), None), numerics.all_finite(moment.v, per_row=per_row)
@@ -232,7 +232,7 @@ def scale_factors(
   # max / floor (4 with eps=0, 3.4e8 with eps=1e-30), far from any underflow of the
   # estimate. Each factor here is at most sqrt(max) * rsqrt(tiny) < max: only the
   # product can pass the cap, and then it should.
-  factors = (jax.lax.rsqrt(row), root_normaliser * jax.lax.rsqrt(col))
+  factors = (numerics.rsqrt_of_floored(row), root_normaliser * numerics.rsqrt_of_floored(col))
   if poison:
     # The normaliser sums every row statistic, so it is non-finite when one of them
     # is (all are non-negative: no cancellation), and so is its root: read from the
@@ -268,14 +268,15 @@ def clipped(multiplier: jax.Array | None, mean_square: jax.Array, threshold: Any
   dtype = mean_square.dtype
   threshold = jnp.asarray(threshold, dtype)
   numerator = jnp.asarray(1, dtype) if multiplier is None else multiplier
-  return numerator / jnp.maximum(jnp.asarray(1, dtype), jnp.sqrt(mean_square) / threshold)
+  return numerator / jnp.maximum(jnp.asarray(1, dtype),
+                                 numerics.root_of_squares(mean_square) / threshold)
 
 
 def param_rms(param: jax.Array, batch_axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
   r""":math:`\mathrm{rms}(p)` over all axes but the batch axes (keepdims), in ``param``'s
   (compute) dtype, and the sum of squares it comes from (finite exactly when the RMS is)."""
   total, count = sum_abs_sq(param, batch_axes)
-  return jnp.sqrt(mean_of(total, count)), total
+  return numerics.root_of_squares(mean_of(total, count)), total
 
 
 def parameter_scale(rms: jax.Array, min_scale: Any, max_scale: Any | None) -> jax.Array:

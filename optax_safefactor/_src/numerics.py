@@ -154,3 +154,39 @@ def all_finite(*xs: jax.Array, per_row: bool = False) -> jax.Array:
   for flag in flags[1:]:
     finite = finite & flag
   return finite
+
+
+# Roots with derivatives that stay finite where the step's values are. ----------------
+# Both are lax's own roots, with only the derivative rule replaced: the forward program
+# is unchanged. They matter to code that differentiates through ``update`` (learned
+# optimizers, hyperparameter gradients), where lax's rules give NaN at values the step
+# itself handles.
+
+#: ``rsqrt`` of a statistic floored above zero. Its derivative :math:`-r/(2x)` is formed
+#: as ``(t * -r/2) / x``: for a statistic on the floor (1e-30, where a gradient element
+#: is exactly 0), ``r / x`` is 1e45, past float32's range, and lax's rule multiplies the
+#: zero cotangent such an element sends back by that inf: NaN.
+rsqrt_of_floored = jax.custom_jvp(jax.lax.rsqrt)
+
+
+@rsqrt_of_floored.defjvp
+def _rsqrt_of_floored_jvp(primals, tangents):
+  x, t = primals[0], tangents[0]  # (an older lax.rsqrt also takes ``accuracy``)
+  root = jax.lax.rsqrt(x)
+  return root, (t * (-0.5 * root)) / x
+
+
+#: ``sqrt`` of a sum (or mean) of squares. It is 0 only where every square is, and the
+#: sum's derivative is 0 there too: so is the root's (lax's rule gives 0 / 0, NaN: all-
+#: zero params under the parameter scale, an all-zero gradient under clipping).
+root_of_squares = jax.custom_jvp(jax.lax.sqrt)
+
+
+@root_of_squares.defjvp
+def _root_of_squares_jvp(primals, tangents):
+  x, t = primals[0], tangents[0]
+  root = jax.lax.sqrt(x)
+  zero = root == 0
+  # The inner where keeps the reverse pass's cotangent off a division by 0.
+  divisor = jnp.where(zero, jnp.ones_like(root), root)
+  return root, jnp.where(zero, jnp.zeros_like(t), (t * 0.5) / divisor)

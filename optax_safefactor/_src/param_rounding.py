@@ -21,6 +21,7 @@ from optax_safefactor._src import (
     counters,
     numerics,
     placement,
+    state_checks,
     write_back,
 )
 from optax_safefactor._src.trees import find_all, unzip_leaf_results
@@ -173,8 +174,8 @@ def with_param_rounding(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    checks.check_state_type(state, ParamRoundingState, updates, "with_param_rounding")
-    checks.check_counters(state, ("count",))
+    state_checks.check_state_type(state, ParamRoundingState, updates, "with_param_rounding")
+    state_checks.check_counters(state, ("count",))
     checks.check_has_compensation(state.compensation, keeps_compensation, mode,
                                   updates if params is None else params,
                                   "the with_param_rounding state", "mode")

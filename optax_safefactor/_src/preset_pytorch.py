@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import kernel, preset_assembly
+from optax_safefactor._src import kernel, numerics, preset_assembly
 
 
 def _last_two_axes(path: Any, shape: tuple[int, ...]) -> tuple[str, ...] | None:
@@ -52,7 +52,7 @@ def _decay_scaled_by_param_rms(weight_decay: float, learning_rate: optax.ScalarO
       wide = p.astype(ct)
       # The RMS of |p|, as safefactor's parameter scale reads it: a complex param's scale is
       # real (HF's norm is of |p| too), where the mean of p**2 is a complex number.
-      rms = jnp.sqrt(jnp.mean(kernel.abs_sq(wide)))
+      rms = numerics.root_of_squares(jnp.mean(kernel.abs_sq(wide)))
       scale = jnp.maximum(rms, jnp.asarray(min_scale, rms.dtype)).astype(ct)
       decay = (jnp.asarray(weight_decay * rate, ct) * scale) * wide
       return (u.astype(ct) - decay).astype(u.dtype)

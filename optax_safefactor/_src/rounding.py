@@ -9,6 +9,7 @@ a wide value to a narrow dtype in the package goes through it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -262,9 +263,23 @@ def stochastic_round(x: jax.Array, dtype: DTypeLike, bits: jax.Array) -> jax.Arr
   dtype = np.dtype(dtype)
   if x.dtype == dtype:
     return x
-  bits = compat.match_sharding(bits, x)
+  return _stochastic_round(x, dtype, compat.match_sharding(bits, x))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _stochastic_round(x: jax.Array, dtype: np.dtype, bits: jax.Array) -> jax.Array:
   if dtype == np.dtype(jnp.bfloat16) and x.dtype == np.dtype(jnp.float32):
     return _stochastic_round_bfloat16(x, bits)
   return _stochastic_round_generic(x, dtype, bits)
+
+
+@_stochastic_round.defjvp
+def _stochastic_round_jvp(dtype, primals, tangents):
+  # The derivative of a cast, as rounding to nearest has in JAX: the rounding is unbiased
+  # (E[result] = x). Its integer operations alone would give 0 for every element, and
+  # code differentiating through update (learned optimizers, hyperparameter gradients)
+  # a zero gradient without a word.
+  x, bits = primals
+  return _stochastic_round(x, dtype, bits), tangents[0].astype(dtype)
 
 

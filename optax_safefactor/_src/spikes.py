@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, numerics, placement
+from optax_safefactor._src import checks, numerics, placement, state_checks
 
 # The standard deviation is at least this fraction of the mean's magnitude: over a nearly
 # constant history, with skip_spikes=6, no value within 12% of the mean is a spike.
@@ -163,7 +163,7 @@ def window_of(history: SpikeHistory) -> int:
 def check_history(history: Any) -> None:
   """A history whose counters are int32 and whose statistics are float32: ``TypeError``
   naming the field otherwise (a state cast whole to bfloat16, say)."""
-  checks.check_counters(history, _COUNTERS)
+  state_checks.check_counters(history, _COUNTERS)
   for field in _STATISTICS:
     dtype = np.dtype(getattr(history, field).dtype)
     if dtype != np.float32:

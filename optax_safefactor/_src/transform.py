@@ -27,6 +27,7 @@ from optax_safefactor._src import (
   placement,
   schedules,
   spikes,
+  state_checks,
   trees,
   write_back,
   xla_hints,
@@ -135,12 +136,12 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
   def update_fn(updates, state, params=None, **extra_args):
     expected = counters.SkipNonfiniteState if guarded else AdafactorState
-    checks.check_state_type(state, expected, updates,
+    state_checks.check_state_type(state, expected, updates,
                             inner=AdafactorState if guarded else None)
     inner = state.inner_state if guarded else state
-    checks.check_counters(inner, ("count",), safefactors=True)
+    state_checks.check_counters(inner, ("count",), safefactors=True)
     if guarded:
-      checks.check_counters(state, counters.COUNTER_FIELDS, safefactors=True)
+      state_checks.check_counters(state, counters.COUNTER_FIELDS, safefactors=True)
     checks.check_has_momentum(inner.momentum, hp.momentum)
     checks.check_has_compensation(inner.compensation, keeps_compensation, hp.param_rounding,
                                   updates)
