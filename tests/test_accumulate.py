@@ -460,8 +460,9 @@ def test_reports_count_micro_batches_under_their_own_keys():
   assert int(osf.skipped_steps(state)) == report["total_skipped_steps"]
   summary = osf.nonfinite_summary(state)
   assert summary == (
-      "4 skipped in total; guard0: skipped 1 of 2 steps (1 in a row); non-finite: "
-      "params['w'] x1 (last at step 1); accumulation: skipped 3 of 7 micro-batches (2 in a "
+      "4 skipped in total; guard0 (opt_state.inner_state): skipped 1 of 2 steps (1 in a "
+      "row); non-finite: params['w'] x1 (last at step 1); accumulation "
+      "(opt_state.micro_batches): skipped 3 of 7 micro-batches (2 in a "
       "row); non-finite: params['b'] x2 (last at micro-batch 6), params['w'] x1 (last at "
       "micro-batch 5)"), summary
   with pytest.raises(osf.NonFiniteStepsError, match=r"2 consecutive micro-batches.*"

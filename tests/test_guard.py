@@ -148,7 +148,9 @@ def test_a_guard_inside_another_guard_is_counted(inner):
   report = osf.nonfinite_report(state)
   assert report["total_skipped_steps"] == 2 and report["guard1/skipped_steps"] == 2
   assert report["skipped_steps"] == 0  # the outer guard's own
-  assert "guard1: skipped 2 of 4 steps (0 in a row)" in osf.nonfinite_summary(state)
+  where = "opt_state.inner_state[1]" if inner == "chain" else "opt_state.inner_state"
+  assert (f"guard1 ({where}): skipped 2 of 4 steps (0 in a row)"
+          in osf.nonfinite_summary(state))
   with pytest.raises(osf.NonFiniteStepsError):
     # Two in a row after the third step.
     mid = tx.init(params)
@@ -171,7 +173,8 @@ def test_reports_agree_over_several_guards():
   assert report["skipped_steps"] == 0 and report["guard1/skipped_steps"] == 1
   summary = osf.nonfinite_summary(state)
   assert summary.startswith("1 skipped in total;"), summary
-  assert "guard1: skipped 1 of 1 step (" in summary and "params['a'] x1" in summary
+  assert "guard1 (opt_state[1]): skipped 1 of 1 step (" in summary, summary
+  assert "params['a'] x1" in summary
 
 
 def test_max_consecutive_must_be_positive():
@@ -220,9 +223,11 @@ def test_messages_count_in_good_english():
   accumulate = osf.accumulate_gradients(osf.safefactor(0.1), 2)
   state = accumulate.init(params)
   assert osf.nonfinite_summary(state) == (
-      "0 skipped in total; guard0: no steps yet; accumulation: no micro-batches yet")
+      "0 skipped in total; guard0 (opt_state.inner_state): no steps yet; accumulation "
+      "(opt_state.micro_batches): no micro-batches yet")
   _, state = accumulate.update({"a": jnp.full(3, jnp.inf)}, state, params)
-  assert "accumulation: skipped 1 of 1 micro-batch (1 in a row)" in osf.nonfinite_summary(state)
+  assert ("accumulation (opt_state.micro_batches): skipped 1 of 1 micro-batch (1 in a row)"
+          in osf.nonfinite_summary(state))
   with pytest.raises(osf.NonFiniteStepsError, match=r"^1 micro-batch was non-finite and skipped"):
     osf.check_nonfinite_steps(state, max_consecutive=1)
 

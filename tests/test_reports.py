@@ -169,11 +169,14 @@ def test_report_of_three_guards_by_value():
 def test_summary_of_three_guards_by_value():
   assert osf.nonfinite_summary(_three_guards_state()) == (
       "4 skipped in total; "
-      "guard0: skipped 1 of 3 steps (0 in a row); non-finite: params['a'] x1 (last at step 1); "
-      "guard1: skipped 1 of 2 steps (1 in a row); non-finite: params['b'] x1 (last at step 1); "
+      "guard0 (opt_state.inner_state): skipped 1 of 3 steps (0 in a row); non-finite: "
+      "params['a'] x1 (last at step 1); "
+      "guard1 (opt_state.inner_state.inner_state[0]): skipped 1 of 2 steps (1 in a row); "
+      "non-finite: params['b'] x1 (last at step 1); "
       # The latest first, of leaves as often non-finite.
-      "accumulation: skipped 2 of 8 micro-batches (0 in a row); non-finite: params['b'] x1 "
-      "(last at micro-batch 5), params['a'] x1 (last at micro-batch 1)")
+      "accumulation (opt_state.micro_batches): skipped 2 of 8 micro-batches (0 in a row); "
+      "non-finite: params['b'] x1 (last at micro-batch 5), params['a'] x1 (last at "
+      "micro-batch 1)")
 
 
 def test_check_of_three_guards_raises_for_the_guard_in_a_row():
@@ -238,7 +241,8 @@ def test_the_summary_stays_short_with_long_paths_and_several_guards():
   summary = osf.nonfinite_summary(state)
   # Two guards share the path budget: one 70-character path fits in half of it.
   assert summary == (
-      "6 skipped in total; guard0: no steps yet; accumulation: skipped 6 of 6 micro-batches "
+      "6 skipped in total; guard0 (opt_state.inner_state): no steps yet; accumulation "
+      "(opt_state.micro_batches): skipped 6 of 6 micro-batches "
       "(6 in a row); non-finite: params['transformer/encoder/block_000/attention/query/"
       "kernel_with_a_long_name'] x6 (last at micro-batch 5) and 92 more leaves")
   assert len(summary) < 600, (len(summary), summary)
@@ -455,3 +459,17 @@ def test_an_abstract_state_is_refused_saying_it_holds_shapes():
                  osf.nonfinite_report):
     with pytest.raises(TypeError, match=r"this optimizer state is abstract \(jax.eval_shape's"):
       report(abstract)
+
+
+def test_the_summary_names_each_part_of_a_multi_transform():
+  # Two safefactors under optax.multi_transform were "guard0" and "guard1", in the order of
+  # the parts' sorted labels, with nothing to say which part each was.
+  params = {"blocks": {"kernel": jnp.ones((4, 3))}, "head": jnp.ones((3,))}
+  tx = optax.multi_transform({"stack": osf.safefactor(0.1), "head": osf.safefactor(0.1)},
+                             {"blocks": "stack", "head": "head"})
+  grads = {"blocks": {"kernel": jnp.ones((4, 3))}, "head": jnp.full((3,), jnp.nan)}
+  _, state = tx.update(grads, tx.init(params), params)
+  assert osf.nonfinite_summary(state) == (
+      "1 skipped in total; guard0 (opt_state.inner_states['head'].inner_state): skipped 1 of "
+      "1 step (1 in a row); non-finite: params['head'] x1 (last at step 0); "
+      "guard1 (opt_state.inner_states['stack'].inner_state): no skipped steps in 1 step")

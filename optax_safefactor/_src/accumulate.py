@@ -128,8 +128,9 @@ def accumulate_gradients(
     >>> osf.nonfinite_report(state)["nonfinite_micro_batches/params['w']"]
     1
     >>> print(osf.nonfinite_summary(state))  # doctest: +NORMALIZE_WHITESPACE
-    1 skipped in total; guard0: no skipped steps in 1 step; accumulation: skipped 1 of
-    3 micro-batches (0 in a row); non-finite: params['w'] x1 (last at micro-batch 1)
+    1 skipped in total; guard0 (opt_state.inner_state): no skipped steps in 1 step;
+    accumulation (opt_state.micro_batches): skipped 1 of 3 micro-batches (0 in a row);
+    non-finite: params['w'] x1 (last at micro-batch 1)
 
   Args:
     inner: any optax transformation; it sees the mean of each group.

@@ -19,7 +19,7 @@ import optax
 from optax_safefactor._src import array_dataclasses, checks
 from optax_safefactor._src.placement import is_box, unbox
 from optax_safefactor._src.spikes import init_history
-from optax_safefactor._src.trees import find_all
+from optax_safefactor._src.trees import find_all_with_paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,14 +297,19 @@ def count_call(counters: Counters, leaf_finite: jax.Array, call_finite: jax.Arra
 def find_counters(opt_state: Any) -> list[SkipNonfiniteState | MicroBatchCounters]:
   """Every guard state and micro-batch counter in ``opt_state``, in its tree order, guards
   inside another guard included; a ``ValueError`` when there is none."""
-  found = find_all(opt_state, COUNTER_TYPES)
+  return [found for _, found in find_counters_with_paths(opt_state)]
+
+
+def find_counters_with_paths(opt_state: Any) -> list[tuple[tuple[Any, ...], Any]]:
+  """:func:`find_counters`' states, each with its key path in ``opt_state``."""
+  found = find_all_with_paths(opt_state, COUNTER_TYPES)
   if not found:
     raise ValueError(
         "no skip_nonfinite state found in opt_state; was the optimizer built with "
         "skip_nonfinite (safefactor does so unless skip_nonfinite_steps=False) or "
         "accumulate_gradients?"
     )
-  if any(isinstance(unbox(guard.skipped_steps), jax.ShapeDtypeStruct) for guard in found):
+  if any(isinstance(unbox(guard.skipped_steps), jax.ShapeDtypeStruct) for _, guard in found):
     raise TypeError(
         "this optimizer state is abstract (jax.eval_shape's, or a checkpoint's restore "
         "target): it holds shapes, not counts; pass the state a step returned or the one "

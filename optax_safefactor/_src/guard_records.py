@@ -23,6 +23,8 @@ class GuardRecord(NamedTuple):
   for :func:`accumulate_gradients`' :class:`MicroBatchCounters`; it decides the words
   and keys the reports use, never the numbers. ``hyperparams`` and ``last_hyperparams``
   are the guard's :class:`HyperparamCounts` by name (empty for micro-batch counters).
+  ``where`` is the guard's place in the optimizer state (``opt_state.inner_states['head']``
+  in an ``optax.multi_transform``), which tells several guards apart.
   """
 
   skipped: int
@@ -34,6 +36,7 @@ class GuardRecord(NamedTuple):
   spikes: SpikeRecord | None
   hyperparams: dict[str, int]
   last_hyperparams: dict[str, int]
+  where: str = "opt_state"
 
 
 class SpikeRecord(NamedTuple):
@@ -84,7 +87,7 @@ def guard_records(opt_state: Any) -> list[GuardRecord]:
   ``"micro_batches"``.
   """
   records = []
-  for guard in counters.find_counters(opt_state):
+  for path, guard in counters.find_counters_with_paths(opt_state):
     if isinstance(unbox(guard.step), jax.core.Tracer):
       raise TypeError(
           "the reports read the counters on the host, and this state is traced (inside "
@@ -111,5 +114,6 @@ def guard_records(opt_state: Any) -> list[GuardRecord]:
         spikes=_spike_record(getattr(guard, "spikes", None), list(nonfinite)),
         hyperparams=hyperparams,
         last_hyperparams=last_hyperparams,
+        where="opt_state" + jax.tree_util.keystr(path),
     ))
   return records

@@ -350,7 +350,9 @@ def nonfinite_summary(opt_state: Any) -> str:
 
   It formats the same records as :func:`nonfinite_report`, so the two (and
   :func:`skipped_steps`) always agree; with several guards each gets its own clause
-  (``guard<i>`` for steps, ``accumulation`` for skipped micro-batches). It names the
+  (``guard<i>`` for steps, ``accumulation`` for skipped micro-batches, as the report's
+  keys are prefixed), with its place in the state (``opt_state.inner_states['head']`` for
+  a part of an ``optax.multi_transform``). It names the
   worst non-finite leaves (the most often non-finite first, then the latest), at most
   three per guard, then how many more; when every leaf was non-finite in the same steps
   (a NaN loss), it says so in one phrase. The line stays under about 600 characters
@@ -383,9 +385,11 @@ def nonfinite_summary(opt_state: Any) -> str:
   if len(records) == 1:
     return _describe(records[0])
   total = sum(record.skipped for record in records)
-  budget = SUMMARY_PATH_CHARACTERS // len(records)  # the whole line stays about as long
-  clauses = "; ".join(f"{label}: {_describe(record, budget)}" for _, label, record in
-                      _labelled(records))
+  # The whole line stays about as long: the guards' places come out of the leaves' budget.
+  places = sum(len(record.where) for record in records)
+  budget = max(SUMMARY_PATH_CHARACTERS - places, SUMMARY_PATH_CHARACTERS // 4) // len(records)
+  clauses = "; ".join(f"{label} ({record.where}): {_describe(record, budget)}"
+                      for _, label, record in _labelled(records))
   return f"{total} skipped in total; {clauses}"
 
 

@@ -71,18 +71,31 @@ def find_all(tree: Any, kind: type) -> list[Any]:
   >>> find_all({"a": Counter(Counter(1)), "b": [Counter(2), 3]}, Counter)
   [Counter(n=Counter(n=1)), Counter(n=1), Counter(n=2)]
   """
-  found = [tree] if isinstance(tree, kind) else []
+  return [node for _, node in find_all_with_paths(tree, kind)]
 
-  def look_inside(node):
+
+def find_all_with_paths(tree: Any, kind: type) -> list[tuple[tuple[Any, ...], Any]]:
+  """:func:`find_all`'s nodes, each with its key path in ``tree``.
+
+  >>> from typing import NamedTuple
+  >>> class Counter(NamedTuple):
+  ...   n: object
+  >>> [jax.tree_util.keystr(path) for path, _ in
+  ...  find_all_with_paths({"a": Counter(Counter(1)), "b": [Counter(2), 3]}, Counter)]
+  ["['a']", "['a'].n", "['b'][0]"]
+  """
+  found = [((), tree)] if isinstance(tree, kind) else []
+
+  def look_inside(prefix, node):
     def is_kind_below(x):
       return x is not node and isinstance(x, kind)
 
-    for x in jax.tree.leaves(node, is_leaf=is_kind_below):
+    for path, x in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_kind_below)[0]:
       if is_kind_below(x):
-        found.append(x)
-        look_inside(x)
+        found.append(((*prefix, *path), x))
+        look_inside((*prefix, *path), x)
 
-  look_inside(tree)
+  look_inside((), tree)
   return found
 
 
