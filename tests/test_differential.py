@@ -4,11 +4,18 @@ Hypothesis draws every setting of ``safefactor`` (and of ``scale_by_safe_factore
 for ``decay_rate_fn``), a tree whose leaf names repeat in different subtrees, and
 gradients with dead (zero) and faint (underflowing) slices; each example runs 100
 steps of the jitted update and compares every step's update, leaf by leaf, with
-``tests/reference.py``. What each drawn setting guards against is said where it is drawn.
+``tests/reference.py``. The same draws check, step by step against the same reference,
+bfloat16 and float16 params landing as their ``param_rounding`` promises (safefactor's
+own and ``with_param_rounding``'s around ``optax.sgd`` or safefactor), ``checked=True``
+against the unchecked step, and ``accumulate_gradients`` on the mean of each group.
+What each drawn setting guards against is said where it is drawn.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import types
 import warnings
 
 import jax
@@ -19,8 +26,10 @@ import optax
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 import optax_safefactor as osf
+from tests.helpers import assert_trees_bitwise_equal
 from tests.reference import ReferenceAdafactor, reference_plan_from_roles
 
 STEPS = 100
@@ -239,19 +248,20 @@ def weight_decay_masks(draw, allow_none=True):
 class Problem:
   """Params and per-step gradients for one example, from a seed.
 
-  Each leaf gets its own scale (10**-3 to 10**5; at the top, a normaliser divided by
-  the floor eps=1e-30 passes float32's largest number), up to two dead (zero) or faint
+  Each leaf gets its own scale (10**-3 to 10**``max_log_scale``: at the default 10**5, a
+  normaliser divided by the floor eps=1e-30 passes float32's largest number; float16
+  gradients take 10**3, their largest value being 65504), up to two dead (zero) or faint
   (``FAINT``) slices along random axes, and a per-step factor; now and then a whole
   leaf's gradient is zero. Some params start at zero (the parameter scale's minimum).
   """
 
-  def __init__(self, seed: int, dtypes: dict):
+  def __init__(self, seed: int, dtypes: dict, max_log_scale: float = 5):
     self.rng = np.random.default_rng(seed)
     self.dtypes = dtypes
     self.scales, self.dead, self.faint = {}, {}, {}
     params = {}
     for path, shape in PATHS_AND_SHAPES:
-      self.scales[path] = 10.0 ** self.rng.uniform(-3, 5)
+      self.scales[path] = 10.0 ** self.rng.uniform(-3, max_log_scale)
       self.dead[path] = np.zeros(shape, bool)
       self.faint[path] = np.zeros(shape, bool)
       for _ in range(self.rng.integers(0, 3)):
@@ -301,7 +311,10 @@ def stored_momentum_dtype(dtype_momentum, param_dtype) -> np.dtype:
 
 
 def _inner(state):
-  return state.inner_state if isinstance(state, osf.SkipNonfiniteState) else state
+  """The Adafactor state: inside the guard's, or first in a chain's."""
+  if isinstance(state, osf.SkipNonfiniteState):
+    state = state.inner_state
+  return state[0] if type(state) is tuple else state
 
 
 def _wide(x) -> np.ndarray:
@@ -329,7 +342,8 @@ def _adopt_rounding_of_narrow_momentum(reference, state, momentum_dtypes, comput
     # tolerance, relative to the leaf's largest value (a faint element's update, whose
     # square float32 flushes, differs relatively more than the leaf's).
     ulp = (float(jnp.finfo(dtype).eps) * np.maximum(np.abs(actual), np.abs(expected))
-           + _tolerance(reference, compute_dtypes[path]) * np.max(np.abs(expected)))
+           + _tolerance(reference, compute_dtypes[path]) * np.max(np.abs(expected))
+           + _spacing(0, dtype))  # a float16 moment's subnormal spacing
     assert np.all(np.abs(actual - expected) <= ulp), path
     reference.first[path] = actual
 
@@ -367,12 +381,12 @@ def _adopt_rounding_of_narrow_statistics(reference, state, compute_dtypes):
       kept[path] = actual
 
 
-def _poisoned_steps(tx_guarded: bool, seed: int) -> frozenset:
-  """Up to 3 of the steps, drawn from ``seed``, whose gradient a guarded run poisons."""
+def _poisoned_steps(tx_guarded: bool, seed: int, steps: int = STEPS) -> frozenset:
+  """Up to 3 of the ``steps``, drawn from ``seed``, whose gradient a guarded run poisons."""
   if not tx_guarded:
     return frozenset()
   rng = np.random.default_rng(seed + 1)
-  return frozenset(rng.choice(STEPS, size=rng.integers(0, 4), replace=False).tolist())
+  return frozenset(rng.choice(steps, size=rng.integers(0, 4), replace=False).tolist())
 
 
 def _poison(grads, step: int):
@@ -385,20 +399,21 @@ def _poison(grads, step: int):
 
 
 def run_against_reference(tx, reference, problem, *, sign=1.0, momentum_dtypes=None,
-                          poisoned=frozenset()):
-  """``STEPS`` jitted updates from ``problem``, each leaf checked against ``reference``.
+                          poisoned=frozenset(), update=None, steps=STEPS):
+  """``steps`` jitted updates from ``problem``, each leaf checked against ``reference``.
 
   ``sign`` is -1 for scale_by_safe_factored_rms, whose update is the scaled gradient
   where the reference's is a step down it. At the ``poisoned`` steps one gradient element
   is non-finite: the guarded step must be skipped whole (zero updates, the state as it
   was but its counters) and the reference does not step, so every schedule, offset and
-  moving average after it must go on as if the step had never come.
+  moving average after it must go on as if the step had never come. ``update`` stands in
+  for the jitted ``tx.update`` (one that checks more on each call).
   """
   params = problem.params
   state = tx.init(params)
-  update = jax.jit(tx.update)
+  update = jax.jit(tx.update) if update is None else update
   compute_dtypes = {p: _compute_real_dtype(problem.dtypes[p]) for p, _ in PATHS_AND_SHAPES}
-  for step in range(STEPS):
+  for step in range(steps):
     grads = problem.grads()
     if step in poisoned:
       updates, skipped_state = update(_poison(grads, step), state, params)
@@ -621,3 +636,510 @@ def test_faint_columns_next_to_large_gradients_follow_the_reference(eps, large, 
     expected = -reference.step({"w": np.asarray(step_grads["w"])}, params)["w"]
     error = np.max(np.abs(np.asarray(updates["w"], np.float64) - expected))
     assert error <= 2e-5 * np.max(np.abs(expected)), (step, error)
+
+
+# Narrow params: the write-back of each rounding mode ----------------------------------
+
+ROUNDING_MODES = ("nearest", "stochastic", "kahan")
+# Steps of a run with narrow params: Kahan's compensation is followed over all of them.
+NARROW_STEPS = 30
+# A float32 sum's relative rounding (the write-back adds param, update and compensation
+# in float32, once or twice).
+FLOAT32_SUM = 2.0**-23
+
+
+def _is_narrow(dtype) -> bool:
+  """bfloat16 and float16: the params that the rounding modes write back to."""
+  return np.dtype(dtype).itemsize == 2
+
+
+def _spacing(x, dtype) -> np.ndarray:
+  """The spacing of ``dtype``'s values at ``|x|`` (the larger one at a power of two), never
+  below the finest that XLA keeps: float16's subnormal spacing, bfloat16's smallest normal
+  (XLA computes bfloat16 in float32 and flushes its subnormals)."""
+  info = jnp.finfo(dtype)
+  floor = float(info.smallest_subnormal if info.maxexp < jnp.finfo(jnp.float32).maxexp
+                else info.smallest_normal)
+  x = np.maximum(np.abs(np.asarray(x, np.float64)), floor)
+  return np.maximum(2.0 ** (np.floor(np.log2(x)) - info.nmant), floor)
+
+
+def _next_value(values: np.ndarray, direction: int) -> np.ndarray:
+  """The neighbour of each 16-bit float of ``values`` towards +Inf (1) or -Inf (-1), as
+  float64: one step of the magnitude's bit pattern, away from or towards zero."""
+  bits = values.view(np.uint16).astype(np.int32)
+  sign, magnitude = bits & 0x8000, bits & 0x7FFF
+  away = np.where(sign != 0, -1, 1) == direction
+  moved = np.where(magnitude == 0, 0x0001 | (0x8000 if direction < 0 else 0),
+                   sign | np.where(away, magnitude + 1, magnitude - 1))
+  return moved.astype(np.uint16).view(values.dtype).astype(np.float64)
+
+
+def _neighbours(x, dtype) -> tuple[np.ndarray, np.ndarray]:
+  """The largest value of ``dtype`` at most ``x`` and the smallest at least ``x`` (both
+  ``x`` where ``dtype`` holds it), in float64."""
+  x = np.asarray(x, np.float64)
+  nearest = x.astype(dtype)
+  wide = nearest.astype(np.float64)
+  return (np.where(wide > x, _next_value(nearest, -1), wide),
+          np.where(wide < x, _next_value(nearest, 1), wide))
+
+
+def _lands_exactly(param, low, high) -> np.ndarray:
+  """Where ``optax.apply_updates`` lands ``param`` exactly on any target between ``low``
+  and ``high`` (values of the param's dtype): its difference from the param is
+  representable (Sterbenz: the same sign, within half the param), or the param is zero."""
+  return (param == 0) | ((low * param >= 0) & (high * param >= 0)
+                         & (np.maximum(np.abs(low - param), np.abs(high - param))
+                            <= np.abs(param) / 2))
+
+
+class LandingChecks:
+  """What each ``param_rounding`` mode promises a narrow param, step by step, against the
+  float64 update ``exact`` of the reference (``slack``: the error allowed to the float32
+  computation of it, per element).
+
+  * ``"nearest"``: the update is the exact one rounded to nearest in the param's dtype,
+    and ``optax.apply_updates`` lands within one ulp of ``param + exact``.
+  * ``"stochastic"``: the param lands on one of the two values bracketing ``param +
+    exact`` (within an ulp of the larger of param and target where the difference is not
+    representable), away from zero as often as the fraction of the ulp says: over a run,
+    the landings away from zero of the negative and positive elements whose fraction is
+    below and above one half are each within 5 standard deviations of the sum of the
+    fractions.
+  * ``"kahan"``: the param lands on ``param + compensation + exact`` rounded to nearest
+    (within an ulp of the larger value, where not representable) and the new compensation
+    holds what that missed, up to its own rounding, so that ``param + compensation``
+    tracks the float64 sum of the updates from the first param over the whole run.
+  """
+
+  def __init__(self, mode: str, params_by_path: dict):
+    self.mode = mode
+    self.fractions: list[np.ndarray] = []
+    self.went_up: list[np.ndarray] = []
+    self.negative: list[np.ndarray] = []
+    # How far the float32 fraction may be from the float64 one, per judged element.
+    self.uncertain: list[np.ndarray] = []
+    self.tracked = {path: _wide(x) for path, x in params_by_path.items()}
+    self.drift = {path: 0.0 for path in params_by_path}
+
+  def step(self, path, dtype, param, update, landed, exact, slack, compensation=None,
+           new_compensation=None):
+    """One leaf's step: ``param`` before, the ``update`` returned, the param ``landed``
+    after ``optax.apply_updates``, all float64; the compensation before and after."""
+    where = (path, self.mode)
+    if self.mode == "nearest":
+      allowed = _spacing(np.abs(exact) + slack, dtype) / 2 + slack
+      assert np.all(np.abs(update - exact) <= allowed), where
+      near = np.abs(param) + 2 * (np.abs(exact) + slack)
+      assert np.all(np.abs(landed - (param + exact)) <= _spacing(near, dtype) + slack), where
+      return
+    if self.mode == "stochastic":
+      target = param + exact
+      slack = slack + FLOAT32_SUM * np.abs(target)
+      low, high = _neighbours(target - slack, dtype)[0], _neighbours(target + slack, dtype)[1]
+      exactly = _lands_exactly(param, low, high)
+      miss = np.where(exactly, 0.0, _spacing(np.maximum.reduce(
+          [np.abs(param), np.abs(low), np.abs(high)]), dtype))
+      assert np.all((landed >= low - miss) & (landed <= high + miss)), where
+      # Rounded on the magnitude: down toward zero, up away from it.
+      below, above = _neighbours(np.abs(target), dtype)
+      gap = above - below
+      fraction = np.divide(np.abs(target) - below, gap, out=np.zeros_like(gap), where=gap > 0)
+      # Elements whose float32 value may round differently (near a value of the grid) or
+      # may land off the target say nothing of the probability.
+      judged = exactly & (slack < 0.01 * gap) & (fraction > 0.02) & (fraction < 0.98)
+      magnitude = np.abs(landed[judged])
+      assert np.all((magnitude == below[judged]) | (magnitude == above[judged])), where
+      self.fractions.append(fraction[judged])
+      self.uncertain.append(slack[judged] / gap[judged])
+      self.went_up.append(magnitude == above[judged])
+      self.negative.append(target[judged] < 0)
+      return
+    self.tracked[path] = self.tracked[path] + exact
+    # Where there is nothing to add, nothing lands and the compensation stays as it was.
+    still = exact == 0
+    assert np.all(landed[still] == param[still]), where
+    assert np.all(new_compensation[still] == compensation[still]), where
+    target = param + compensation + exact
+    slack = slack + FLOAT32_SUM * (np.abs(param) + np.abs(compensation) + np.abs(exact))
+    low, high = _neighbours(target - slack, dtype)[0], _neighbours(target + slack, dtype)[1]
+    nearest = _spacing(np.abs(target) + slack, dtype) / 2
+    # Off the target: half an ulp to the target, and the landing's ulp of the larger.
+    off = 2.5 * _spacing(np.maximum(np.abs(param), np.abs(target) + slack), dtype)
+    allowed = np.where(_lands_exactly(param, low, high), nearest, off) + slack
+    assert np.all((np.abs(landed - target) <= allowed) | still), where
+    remainder = target - landed
+    carried = slack + _spacing(new_compensation, dtype) + FLOAT32_SUM * np.abs(remainder)
+    assert np.all(np.abs(new_compensation - remainder) <= carried), where
+    self.drift[path] = self.drift[path] + carried
+    assert np.all(np.abs(landed + new_compensation - self.tracked[path])
+                  <= self.drift[path]), where
+
+  def finish(self):
+    """Stochastic rounding: the landings' frequency of going up against the fractions."""
+    if self.mode != "stochastic" or not self.fractions:
+      return
+    fraction, went_up = np.concatenate(self.fractions), np.concatenate(self.went_up)
+    negative, uncertain = np.concatenate(self.negative), np.concatenate(self.uncertain)
+    # Each sign and half apart: a bias one way in one of them may be undone in another.
+    for sign, half in itertools.product((negative, ~negative), (fraction < 0.5, fraction >= 0.5)):
+      group = sign & half
+      variance = float(np.sum(fraction[group] * (1 - fraction[group])))
+      if variance < 10:
+        continue  # too few elements to judge
+      off = abs(float(np.sum(went_up[group])) - float(np.sum(fraction[group])))
+      assert off <= 5 * np.sqrt(variance) + float(np.sum(uncertain[group])), (
+          off, np.sqrt(variance), int(np.sum(group)))
+
+
+def run_narrow_against_reference(tx, reference_step, problem, mode, *, compensation, kept,
+                                 tolerance, adopt=None, poisoned=frozenset()):
+  """``NARROW_STEPS`` jitted updates from ``problem``: wide leaves against
+  ``reference_step``'s update as :func:`run_against_reference` compares them, narrow ones
+  (bfloat16, float16) by what ``mode`` promises (:class:`LandingChecks`), from the same
+  params and gradients.
+
+  ``compensation(state)`` is the tree of Kahan's compensations (``None`` elsewhere);
+  ``kept(state)`` the part of the state that a skipped step (at the ``poisoned`` steps)
+  leaves as it was; ``adopt(state)`` lets the reference go on from what the state keeps
+  narrower than it computes; ``tolerance(path)`` is a leaf's relative error.
+  """
+  params = problem.params
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  checks = LandingChecks(mode, {p: x for p, x in _by_path(params).items()
+                                if _is_narrow(problem.dtypes[p])})
+  for step in range(NARROW_STEPS):
+    grads = problem.grads()
+    if step in poisoned:
+      updates, skipped_state = update(_poison(grads, step), state, params)
+      assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates)), step
+      assert_trees_bitwise_equal(kept(skipped_state), kept(state))
+      state = skipped_state
+      continue
+    updates, new_state = update(grads, state, params)
+    expected = reference_step({p: np.asarray(g) for p, g in _by_path(grads).items()},
+                              {p: np.asarray(x) for p, x in _by_path(params).items()})
+    new_params = optax.apply_updates(params, updates)
+    before, after = _by_path(params), _by_path(new_params)
+    compensations, new_compensations = (_by_path(compensation(state)),
+                                        _by_path(compensation(new_state)))
+    for path, actual in _by_path(updates).items():
+      dtype = problem.dtypes[path]
+      assert actual.dtype == dtype, (path, actual.dtype)
+      want = expected[path]
+      scale = max(float(np.max(np.abs(want))), np.finfo(np.float64).tiny)
+      if not _is_narrow(dtype):
+        error = float(np.max(np.abs(_wide(actual) - want))) / scale
+        assert error <= tolerance(path), (step, path, error)
+        continue
+      if mode == "kahan":
+        assert compensations[path].dtype == dtype, (path, compensations[path].dtype)
+      checks.step(path, dtype, _wide(before[path]), _wide(actual), _wide(after[path]), want,
+                  tolerance(path) * scale,
+                  *([_wide(compensations[path]), _wide(new_compensations[path])]
+                    if mode == "kahan" else []))
+    if adopt is not None:
+      adopt(new_state)
+    params, state = new_params, new_state
+  checks.finish()
+
+
+def _narrow_dtypes(choice):
+  return _dtypes(["bfloat16", "float16", "float32"], choice)
+
+
+@pytest.mark.parametrize("mode", ROUNDING_MODES)
+@_examples(4)
+@given(config=st.fixed_dictionaries(
+           {**SAFEFACTOR, "learning_rate": scalar_or_schedule(1e-3, 0.1)}),
+       roles_by_path=FACTOR_ROLES, masks=weight_decay_masks(),
+       dtype=st.sampled_from(["bfloat16", "float16", "mixed"]),
+       rounding_seed=st.integers(-(2**31), 2**31 - 1), seed=st.integers(0, 2**16))
+def test_narrow_params_land_as_their_rounding_mode_promises(
+    mode, config, roles_by_path, masks, dtype, rounding_seed, seed):
+  """bfloat16 and float16 params (mixed with float32 ones) with every setting drawn, each
+  step's landing checked against the float64 reference's update by what ``mode`` promises
+  (:class:`LandingChecks`); float32 leaves follow the reference as they do alone.
+
+  Guards against a mode wired to another's write-back (round to nearest for stochastic
+  rounding: no small update lands; stochastic where nearest is asked for), a landing off
+  its target, stochastic rounding biased (rounding up with the wrong probability), a Kahan
+  compensation dropped, not added to the next update or holding the wrong remainder, and
+  a narrow param's update computed from anything but the float32 update of the step (its
+  momentum, statistics, parameter scale and weight decay drawn).
+  """
+  mask, decay_masks = masks
+  problem = Problem(seed, _narrow_dtypes(dtype), max_log_scale=3)
+  with warnings.catch_warnings():
+    # A seed of a mode that draws no bits, and the settings others leave without effect.
+    warnings.filterwarnings("ignore", ".* has no effect", UserWarning)
+    tx = osf.safefactor(**config, weight_decay_mask=mask, param_rounding=mode,
+                        rounding_seed=rounding_seed, factor_rules=_rules_from(roles_by_path))
+    reference, momentum_dtypes = _reference_for(config, problem, roles_by_path, decay_masks)
+    compute_dtypes = dict.fromkeys(problem.dtypes, np.dtype(np.float32))
+
+    def adopt(state):
+      _adopt_rounding_of_narrow_momentum(reference, state, momentum_dtypes, compute_dtypes)
+      if reference.statistics_dtype is not None:
+        _adopt_rounding_of_narrow_statistics(reference, state, compute_dtypes)
+
+    run_narrow_against_reference(
+        tx, reference.step, problem, mode, compensation=lambda state: _inner(state).compensation,
+        kept=_inner, adopt=adopt,
+        poisoned=_poisoned_steps(config["skip_nonfinite_steps"], seed, NARROW_STEPS),
+        tolerance=lambda path: _tolerance(reference, np.dtype(np.float32)))
+
+
+# Checked mode ---------------------------------------------------------------------------
+
+# Steps of a checked run: each one is stepped twice, checked and unchecked.
+CHECKED_STEPS = 40
+
+
+def _checked_and_unchecked(checked_tx, unchecked_tx, charges_every_leaf=False):
+  """An ``update`` that steps ``checked_tx`` under ``checkify.checkify`` and ``unchecked_tx``
+  alone, from the same state, and returns the checked step's results once both agree bit
+  for bit (updates and the whole state, counters included). The checked step must raise
+  exactly on a step whose gradients are not finite, naming the (one) poisoned leaf's path
+  and the guard's step. With ``charges_every_leaf`` the first leaf may be named instead:
+  ``skip_nonfinite`` charges a non-finite state that is not shaped like the updates (a
+  chain's Adafactor statistics) to every leaf, and the first check to fail is the first
+  leaf's."""
+  checked = jax.jit(checkify.checkify(checked_tx.update))
+  unchecked = jax.jit(unchecked_tx.update)
+
+  def update(grads, state, params):
+    error, (updates, new_state) = checked(grads, state, params)
+    assert_trees_bitwise_equal((updates, new_state), unchecked(grads, state, params))
+    message = error.get()
+    poisoned = [path for path, grad in _by_path(grads).items()
+                if not np.all(np.isfinite(np.asarray(grad)))]
+    if not poisoned:
+      assert message is None, message
+    else:
+      assert message is not None, poisoned
+      named = {poisoned[0], *([PATHS_AND_SHAPES[0][0]] if charges_every_leaf else [])}
+      assert any(message.startswith(f"params{path}: non-finite gradient")
+                 for path in named), message
+      assert f" at step {int(state.step)};" in message, (int(state.step), message)
+    return updates, new_state
+
+  return update
+
+
+@_examples(5)
+@given(config=st.fixed_dictionaries({**SAFEFACTOR, "skip_nonfinite_steps": st.just(True)}),
+       guard=st.sampled_from(["safefactor", "skip_nonfinite"]),
+       learning_rate=st.floats(1e-3, 0.1), dtype=st.sampled_from(["float32", "complex64"]),
+       seed=st.integers(0, 2**16))
+def test_checked_mode_steps_as_unchecked_and_raises_on_the_poisoned_steps(
+    config, guard, learning_rate, dtype, seed):
+  """``checked=True`` under ``checkify``, for safefactor with every setting drawn and for
+  ``skip_nonfinite`` around a chain: the same updates and state as ``checked=False`` bit
+  for bit, the float64 reference's updates, and a raise on each poisoned step (at least
+  one per run) naming its leaf and step, and on no other.
+
+  Guards against ``checked`` ignored (no raise), a check of the wrong flag (a raise on a
+  healthy step, or naming another leaf), a step number off by one, and a checked step that
+  computes, skips or counts anything unlike the unchecked one.
+  """
+  problem = Problem(seed, _dtypes([], dtype))
+  poisoned = _poisoned_steps(True, seed, CHECKED_STEPS) or frozenset({seed % CHECKED_STEPS})
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", ".* has no effect", UserWarning)
+    if guard == "safefactor":
+      build = functools.partial(osf.safefactor, **config)
+      reference, momentum_dtypes = _reference_for(config, problem, None)
+    else:
+      def build(checked):
+        return osf.skip_nonfinite(optax.chain(
+            osf.scale_by_safe_factored_rms(
+                config["factored"], config["decay_rate"], config["decay_offset"],
+                config["min_dim_size_to_factor"], config["eps"],
+                beta2_cap=config["beta2_cap"], state_dtype=config["state_dtype"]),
+            optax.scale(-learning_rate)), checked=checked)
+      reference, _ = _reference_for({**config, "learning_rate": learning_rate,
+                                     "multiply_by_parameter_scale": False,
+                                     "clipping_threshold": None, "momentum": None,
+                                     "weight_decay_rate": None}, problem, None)
+      momentum_dtypes = {}
+    run_against_reference(
+        build(checked=True), reference, problem, momentum_dtypes=momentum_dtypes,
+        poisoned=poisoned, steps=CHECKED_STEPS, update=_checked_and_unchecked(
+            build(checked=True), build(checked=False),
+            charges_every_leaf=guard == "skip_nonfinite"))
+
+
+# The wrappers -----------------------------------------------------------------------------
+
+
+class ReferenceSgd:
+  """``optax.sgd`` (after ``optax.add_decayed_weights``) in float64: ``g + weight_decay * p``
+  into a trace ``t = g + momentum * t``, whose step is ``t`` (Nesterov: ``g + momentum *
+  t``) times ``-learning_rate`` (a number, or a schedule of the count)."""
+
+  def __init__(self, learning_rate, momentum=None, nesterov=False, weight_decay=None):
+    self.learning_rate, self.momentum, self.nesterov = learning_rate, momentum, nesterov
+    self.weight_decay = weight_decay
+    self.trace: dict = {}
+    self.count = 0
+
+  def step(self, grads: dict, params: dict) -> dict:
+    learning_rate = self.learning_rate
+    if callable(learning_rate):
+      learning_rate = float(learning_rate(self.count))
+    updates = {}
+    for name, grad in grads.items():
+      g = np.asarray(grad, np.float64)
+      if self.weight_decay is not None:
+        g = g + self.weight_decay * np.asarray(params[name], np.float64)
+      if self.momentum is not None:
+        self.trace[name] = g + self.momentum * self.trace.get(name, 0.0)
+        g = g + self.momentum * self.trace[name] if self.nesterov else self.trace[name]
+      updates[name] = -learning_rate * g
+    self.count += 1
+    return updates
+
+
+SGD = dict(
+    learning_rate=scalar_or_schedule(1e-3, 0.1),
+    momentum=st.sampled_from([None, 0.0, 0.5, 0.9]),
+    nesterov=st.booleans(),
+    weight_decay=st.sampled_from([None, 1e-3, 0.1]),
+)
+
+
+def _sgd(learning_rate, momentum, nesterov, weight_decay):
+  sgd = optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
+  return sgd if weight_decay is None else optax.chain(optax.add_decayed_weights(weight_decay),
+                                                      sgd)
+
+
+@pytest.mark.parametrize("mode", ROUNDING_MODES)
+@_examples(3)
+@given(inner=st.sampled_from(["sgd", "safefactor"]), sgd=st.fixed_dictionaries(SGD),
+       config=st.fixed_dictionaries({**SAFEFACTOR, "skip_nonfinite_steps": st.just(True)}),
+       dtype=st.sampled_from(["bfloat16", "float16", "mixed"]),
+       rounding_seed=st.integers(-(2**31), 2**31 - 1), seed=st.integers(0, 2**16))
+def test_with_param_rounding_lands_the_inner_update_as_its_mode_promises(
+    mode, inner, sgd, config, dtype, rounding_seed, seed):
+  """``with_param_rounding`` around ``optax.sgd`` (momentum, Nesterov, weight decay, a
+  schedule: against its float64 formula, :class:`ReferenceSgd`) or around safefactor with
+  every setting drawn (against the float64 reference, with up to 3 poisoned steps, at
+  least one, that its guard skips): each narrow param lands as ``mode`` promises
+  (:class:`LandingChecks`), each float32 param gets the inner update as it is.
+
+  Guards against the inner transformation fed anything but float32 copies of the narrow
+  gradients and params (its weight decay and parameter scale read them), its float32
+  update rounded before the write-back, a mode wired to another's write-back, biased
+  stochastic rounding, a compensation dropped or not carried, and a step the inner guard
+  skipped that lands something, draws bits or moves the compensation.
+  """
+  problem = Problem(seed, _narrow_dtypes(dtype), max_log_scale=3)
+  # The inner transformation sees float32 copies of the narrow params.
+  wide = types.SimpleNamespace(dtypes=dict.fromkeys(problem.dtypes, np.dtype(np.float32)))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", ".* has no effect", UserWarning)
+    if inner == "sgd":
+      tx = osf.with_param_rounding(_sgd(**sgd), mode, seed=rounding_seed)
+      reference, tolerance = ReferenceSgd(**sgd), TOLERANCE[np.dtype(np.float32)]
+      adopt, poisoned = None, frozenset()
+    else:
+      tx = osf.with_param_rounding(osf.safefactor(**config), mode, seed=rounding_seed)
+      reference, momentum_dtypes = _reference_for(config, wide, None)
+      tolerance = _tolerance(reference, np.dtype(np.float32))
+
+      def adopt(state):
+        _adopt_rounding_of_narrow_momentum(reference, state.inner_state, momentum_dtypes,
+                                           wide.dtypes)
+        if reference.statistics_dtype is not None:
+          _adopt_rounding_of_narrow_statistics(reference, state.inner_state, wide.dtypes)
+
+      # At least one step that the inner guard skips.
+      poisoned = (_poisoned_steps(True, seed, NARROW_STEPS)
+                  or frozenset({seed % NARROW_STEPS}))
+    run_narrow_against_reference(
+        tx, reference.step, problem, mode, compensation=lambda state: state.compensation,
+        kept=lambda state: (state.count, state.compensation, _inner(state.inner_state)),
+        adopt=adopt, poisoned=poisoned, tolerance=lambda path: tolerance)
+
+
+# Micro-batches an accumulation run calls update with.
+MICRO_BATCHES = 32
+
+
+def _alternating_group_size(applied_steps):
+  """An ``every_k`` schedule of the applied steps: groups of 1, 2, 3, 1, 2, 3..."""
+  return 1 + applied_steps % 3
+
+
+@_examples(8)
+@given(inner=st.sampled_from(["sgd", "safefactor"]), sgd=st.fixed_dictionaries(SGD),
+       config=st.fixed_dictionaries(SAFEFACTOR), every_k=st.sampled_from(["schedule", 2, 3, 4, 1]),
+       seed=st.integers(0, 2**16))
+def test_accumulate_gradients_steps_the_inner_on_the_mean_of_each_group(
+    inner, sgd, config, every_k, seed):
+  """``accumulate_gradients`` around ``optax.sgd`` (:class:`ReferenceSgd`) or safefactor with
+  every setting drawn (the float64 reference), ``every_k`` an int or a schedule of the
+  applied steps, and up to 3 poisoned micro-batches: the micro-batch that completes a group
+  of ``every_k`` finite ones returns the reference's update on the float64 mean of the
+  group; every other one returns zeros and leaves the inner state as it was, bit for bit.
+
+  Guards against a sum not divided by the group's size (or by one that counts a left-out
+  micro-batch), a group that a poisoned micro-batch completes or joins, a group that starts
+  from the last one's sum, a schedule called with anything but the applied steps, and an
+  inner state that moves between steps.
+  """
+  problem = Problem(seed, _dtypes([], "float32"))
+  every_k = _alternating_group_size if every_k == "schedule" else every_k
+  rng = np.random.default_rng(seed + 1)
+  poisoned = frozenset(rng.choice(MICRO_BATCHES, size=rng.integers(0, 4),
+                                  replace=False).tolist())
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", ".* has no effect", UserWarning)
+    if inner == "sgd":
+      inner_tx, reference = _sgd(**sgd), ReferenceSgd(**sgd)
+      momentum_dtypes = {}
+    else:
+      inner_tx = osf.safefactor(**config)
+      reference, momentum_dtypes = _reference_for(config, problem, None)
+    tx = osf.accumulate_gradients(inner_tx, every_k)
+    params = problem.params
+    state = tx.init(params)
+  update = jax.jit(tx.update)
+  compute_dtypes = dict.fromkeys(problem.dtypes, np.dtype(np.float32))
+  tolerance = (_tolerance(reference, np.dtype(np.float32)) if inner == "safefactor"
+               else TOLERANCE[np.dtype(np.float32)])
+  group, applied = [], 0
+  for call in range(MICRO_BATCHES):
+    grads = problem.grads()
+    if call in poisoned:
+      grads = _poison(grads, call)
+    else:
+      group.append({p: _wide(g) for p, g in _by_path(grads).items()})
+    updates, new_state = update(grads, state, params)
+    if call not in poisoned and len(group) >= (every_k(applied) if callable(every_k)
+                                               else every_k):
+      # Given in float32, the leaves' dtype, from which the reference takes its floor.
+      mean = {p: (sum(g[p] for g in group) / len(group)).astype(problem.dtypes[p])
+              for p in group[0]}
+      expected = reference.step(mean, {p: np.asarray(x) for p, x in _by_path(params).items()})
+      for path, actual in _by_path(updates).items():
+        want = expected[path]
+        scale = max(float(np.max(np.abs(want))), np.finfo(np.float64).tiny)
+        error = float(np.max(np.abs(_wide(actual) - want))) / scale
+        assert error <= tolerance, (call, path, error)
+      if momentum_dtypes:
+        _adopt_rounding_of_narrow_momentum(reference, new_state.inner_state, momentum_dtypes,
+                                           compute_dtypes)
+      if inner == "safefactor" and reference.statistics_dtype is not None:
+        _adopt_rounding_of_narrow_statistics(reference, new_state.inner_state, compute_dtypes)
+      group, applied = [], applied + 1
+    else:
+      assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates)), call
+      assert_trees_bitwise_equal(new_state.inner_state, state.inner_state)
+    params, state = optax.apply_updates(params, updates), new_state
+  assert int(state.applied_steps) == applied and int(state.accumulated) == len(group)
+  assert int(osf.skipped_steps(state)) == len(poisoned)
