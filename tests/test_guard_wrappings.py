@@ -208,6 +208,45 @@ def test_a_guard_around_masked_state_names_the_nonfinite_leaf_only(wrap):
       "nonfinite_steps/params['dec']"]
 
 
+@pytest.mark.parametrize("min_dim_size_to_factor", [1, 128])
+def test_a_guard_around_safefactors_statistics_names_the_nonfinite_leaf_only(
+    min_dim_size_to_factor):
+  # scale_by_safe_factored_rms keeps a FactoredMoment or FullMoment per leaf, which was not
+  # "shaped like the updates" (not an array in each leaf's place): one leaf's NaN was
+  # charged to every leaf, in the reports and in checked=True's error.
+  params = {"a": jnp.ones(3), "b": jnp.ones((2, 2)), "c": jnp.ones((4, 3))}
+  grads = {**jax.tree.map(jnp.ones_like, params), "b": jnp.ones((2, 2)).at[0, 0].set(jnp.nan)}
+  inner = optax.chain(
+      osf.scale_by_safe_factored_rms(min_dim_size_to_factor=min_dim_size_to_factor),
+      optax.scale(-0.1))
+  tx = osf.skip_nonfinite(inner)
+  _, state = tx.update(grads, tx.init(params), params)
+  report = osf.nonfinite_report(state)
+  assert report["skipped_steps"] == 1
+  assert [key for key in report if key.startswith("nonfinite_steps/")] == [
+      "nonfinite_steps/params['b']"]
+
+
+def test_state_under_each_leaf_of_another_shape_is_charged_to_every_leaf():
+  # Under the updates' structure, only arrays of a leaf's rank, each axis its size or 1,
+  # are read as that leaf's state. Anything else there (a per-leaf histogram; a chain's
+  # states, when the params are a plain tuple as long as the chain) says nothing of
+  # which leaf went bad.
+  params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+
+  def init(params):
+    return {"a": {"histogram": jnp.zeros(5)}, "b": {"histogram": jnp.zeros(7)}}
+
+  def update(updates, state, params=None):
+    return updates, {"a": state["a"], "b": {"histogram": state["b"]["histogram"] + jnp.nan}}
+
+  tx = osf.skip_nonfinite(optax.GradientTransformation(init, update))
+  _, state = tx.update(params, tx.init(params), params)
+  report = osf.nonfinite_report(state)
+  assert [key for key in report if key.startswith("nonfinite_steps/")] == [
+      "nonfinite_steps/params['a']", "nonfinite_steps/params['b']"]
+
+
 def test_a_guard_around_reduce_on_plateau_steps_past_its_infinite_best_value():
   # reduce_on_plateau keeps best_value at +Inf until its first accumulation completes:
   # the guard took that for a non-finite state and skipped every step, for ever.

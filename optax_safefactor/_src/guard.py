@@ -225,24 +225,29 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any, old_state: Any) 
   bool vector in the updates' leaf order.
 
   Parts of the state shaped like the updates (Adam's ``mu`` and ``nu``, say, with the
-  MaskedNode of a param ``optax.masked`` leaves out) are charged to their leaf; any
-  other non-finite state is charged to every leaf, but for a scalar ``old_state`` held
-  infinite already (:func:`_finite_or_kept`).
+  MaskedNode of a param ``optax.masked`` leaves out, or Adafactor's keepdims statistics)
+  are charged to their leaf; any other non-finite state is charged to every leaf, but for
+  a scalar ``old_state`` held infinite already (:func:`_finite_or_kept`).
   """
   updates_def = jax.tree.structure(new_updates)
+  update_shapes = [jnp.shape(update) for update in jax.tree.leaves(new_updates)]
 
   def is_shaped_like_updates(x):
-    # The updates' tree with, in a leaf's place, that leaf's state: an array, or nothing
-    # (the MaskedNode of a param that optax.masked or optax.multi_transform leaves out).
+    # The updates' tree with, in a leaf's place, that leaf's state: arrays of the leaf's
+    # rank, each axis its size or 1 (a moment, or statistics kept with keepdims), or
+    # nothing (the MaskedNode of a param that optax.masked or optax.multi_transform
+    # leaves out).
     if jax.tree.structure(x) == updates_def:
       return True
     if updates_def.num_leaves < 2 or updates_def.num_nodes == 1:
       return False
     try:
-      leaves = updates_def.flatten_up_to(x)
+      per_leaf = updates_def.flatten_up_to(x)
     except (ValueError, TypeError):
       return False
-    return all(hasattr(leaf, "dtype") or not jax.tree.leaves(leaf) for leaf in leaves)
+    return all(hasattr(array, "dtype") and _fits(jnp.shape(array), shape)
+               for part, shape in zip(per_leaf, update_shapes, strict=True)
+               for array in jax.tree.leaves(part))
 
   parts = jax.tree.leaves(new_state, is_leaf=is_shaped_like_updates)
   old_parts = jax.tree.leaves(old_state, is_leaf=is_shaped_like_updates)
@@ -261,6 +266,12 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any, old_state: Any) 
     return jnp.all(jnp.stack(finite)) & unattributed if finite else unattributed
 
   return flag_vector(jax.tree.leaves(jax.tree.map(leaf_finite, new_updates, *shaped)))
+
+
+def _fits(shape: tuple[int, ...], leaf_shape: tuple[int, ...]) -> bool:
+  """A leaf's statistic: its rank, each axis the leaf's size or 1."""
+  return len(shape) == len(leaf_shape) and all(
+      size in (1, leaf_size) for size, leaf_size in zip(shape, leaf_shape, strict=True))
 
 
 def _without_spike_histories(state: Any) -> Any:
