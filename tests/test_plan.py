@@ -140,11 +140,20 @@ def test_names_for_params_elsewhere_or_for_some_params_only_do_not_warn():
   tx = optax.multi_transform({"stack": osf.safefactor(factor_rules=rules),
                               "head": osf.safefactor(factor_rules=rules)},
                              {"blocks": "stack", "head": "head"})
+  stacked_only = osf.logical_factor_rules({"blocks": axis_names["blocks"]})
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     tx.init(params)
-    osf.safefactor(factor_rules=osf.logical_factor_rules(
-        {"blocks": axis_names["blocks"]})).init(params)
+    osf.safefactor(factor_rules=stacked_only).init(params)
+    # The stack's names, and the head unnamed, in the head's part: the stack is left out
+    # there (an optax.MaskedNode, of the subtree or of the leaf), not misspelt.
+    for labels in ({"blocks": "stack", "head": "head"},
+                   {"blocks": {"kernel": "stack"}, "head": "head"}):
+      optax.multi_transform({"stack": osf.safefactor(factor_rules=stacked_only),
+                             "head": osf.safefactor(factor_rules=stacked_only)},
+                            labels).init(params)
+    optax.masked(osf.safefactor(factor_rules=stacked_only),
+                 {"blocks": False, "head": True}).init(params)
 
 
 def test_explicit_roles_factor_a_conv_kernel_like_the_reference(rng):

@@ -170,7 +170,9 @@ def safefactor(
       is not a spike.
       Spikes count in :func:`skipped_steps` and
       :func:`skipped_spikes`, not toward ``max_consecutive_skips``; needs
-      ``skip_nonfinite_steps``. Injectable with ``optax.inject_hyperparams``.
+      ``skip_nonfinite_steps``. Injectable with ``optax.inject_hyperparams``; an
+      injected value is not judged at each step as a constructed one is, so keep it
+      positive: at 0 or below, ordinary steps (at 0, those above the mean) are spikes.
     spike_window: the steps of history the spike rule keeps (an int of at least 2). It
       sets the state's shape: under ``optax.inject_hyperparams`` pass it in
       ``static_args``. Another window without ``skip_spikes`` warns that it has no

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 ROLES = ("row", "column", "batch", "none")
 
@@ -248,12 +249,19 @@ class NamedParamRules:
       return None
     return self._roles(name, self._entries[name], tuple(shape))
 
-  def misspelt(self, paths_and_shapes: Iterable[tuple[Any, Sequence[int]]]) -> str | None:
+  def misspelt(self, paths_and_shapes: Iterable[tuple[Any, Sequence[int]]],
+               masked_paths: Iterable[Any] = ()) -> str | None:
     """A warning when the table names a param the tree lacks while a param of two or
     more axes goes unnamed. Either alone is ordinary: one table may name a whole model
-    whose params ``optax.multi_transform`` splits, or name only the stacked params."""
+    whose params ``optax.multi_transform`` splits, or name only the stacked params. A
+    name under ``masked_paths`` (where ``optax.masked`` or ``optax.multi_transform`` left
+    a subtree out, as an ``optax.MaskedNode``) is not lacking."""
     names = {self._name_of(path): len(shape) for path, shape in paths_and_shapes}
-    absent = sorted(set(self._entries) - set(names))
+    masked = [self._name_of(path) for path in masked_paths]
+    absent = sorted(name for name in set(self._entries) - set(names)
+                    if not any(name == prefix or (name.startswith(prefix)
+                                                  and name[len(prefix)] in "[./")
+                               for prefix in masked))
     unnamed = sorted(name for name, rank in names.items()
                      if rank >= 2 and name not in self._entries)
     if not absent or not unnamed:
@@ -268,11 +276,16 @@ class NamedParamRules:
             "params' paths")
 
 
-def warn_if_misspelt(factor_rules: Any,
+def warn_if_misspelt(factor_rules: Any, params: Any,
                      paths_and_shapes: Iterable[tuple[Any, Sequence[int]]]) -> None:
   """Warn, once per ``init``, of names in ``factor_rules`` that match no param."""
   if isinstance(factor_rules, NamedParamRules):
-    message = factor_rules.misspelt(paths_and_shapes)
+    def is_masked(node):
+      return isinstance(node, optax.MaskedNode)
+
+    masked = [path for path, node in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=is_masked)[0] if is_masked(node)]
+    message = factor_rules.misspelt(paths_and_shapes, masked)
     if message is not None:
       warnings.warn(message, UserWarning, stacklevel=3)
 

@@ -118,7 +118,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       return moment, momentum, compensation, value
 
     per_leaf = jax.tree_util.tree_map_with_path(init_leaf, params, is_leaf=placement.is_box)
-    warn_if_misspelt(hp.factor_rules, planned)
+    warn_if_misspelt(hp.factor_rules, params, planned)
     reference = jax.tree.map(lambda _: 0, params, is_leaf=placement.is_box)
     second_moment, momentum, compensation, values = unzip_leaf_results(reference, per_leaf, 4)
     if hp.weight_decay_rate is not None:
