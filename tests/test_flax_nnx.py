@@ -2,6 +2,8 @@
 masks leave out (test_ecosystems.py: the rest)."""
 
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -120,6 +122,23 @@ def test_nnx_optimizer_over_partitioned_params(axis_type):
   assert losses[-1] < 0.7 * losses[0]
   # Sharded sums add in another order: equal to float32 rounding, not bit for bit.
   _assert_matches_plain_loop(model, osf.safefactor(1e-2, momentum=0.9), rtol=1e-5)
+
+
+def test_logical_factor_rules_read_nnx_partition_specs():
+  # nnx.get_partition_spec gives each param's names inside its Variable: the paths, ending
+  # in .value, matched no param (a warning, and the heuristic for every param), and an
+  # unannotated bias's empty P() was read as no roles at all (init failed).
+  with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+    model = MLP(nnx.Rngs(0), partitioned=True)
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    rules = osf.logical_factor_rules(specs, {"model": "none"})
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      optimizer = nnx.Optimizer(model, osf.safefactor(1e-2, factor_rules=rules), wrt=nnx.Param)
+  moments = optimizer.opt_state.inner_state.second_moment
+  # The "model" axis has no role, so neither kernel is factored (the heuristic would).
+  assert isinstance(moments["up"]["kernel"], osf.FullMoment)
+  assert isinstance(moments["down"]["kernel"], osf.FullMoment)
 
 
 def test_an_auto_mode_step_that_pins_the_state_compiles_once_and_keeps_it():

@@ -184,6 +184,52 @@ def test_partition_specs_for_abstract_params_and_wrappers():
   assert specs.inner_state.count == P() and specs.skipped_steps == P()
 
 
+def _normalised(spec):
+  """A spec's entries without trailing ``None``s: ``P('data', None)`` places as ``P('data')``."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
+
+
+def _placed_specs(tx, params):
+  """The specs of the state that eager init places on sharded ``params`` by itself."""
+  return jax.tree.map(lambda x: P(*x.sharding.spec) if isinstance(x.sharding, NamedSharding)
+                      else P(), tx.init(params))
+
+
+def test_partition_specs_of_tuple_params_in_a_chain_are_where_init_places_the_state():
+  # A chain's states are a tuple as long as a tuple of two params: each member's state
+  # got one param's spec, and the kernel's statistics and momentum came back replicated,
+  # stored whole on every device under jit's out_shardings.
+  mesh = _mesh(AxisType.Auto)
+  specs = (P("data", "model"), P("model"))
+  params = tuple(jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
+                 for shape, spec in zip([(256, 512), (512,)], specs, strict=True))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), osf.safefactor(1e-3, momentum=0.9))
+  computed = osf.state_partition_specs(tx, params, specs)
+  assert computed[1].inner_state.momentum[0] == P("data", "model")
+  assert jax.tree.map(_normalised, computed) == jax.tree.map(
+      _normalised, _placed_specs(tx, params))
+
+
+@pytest.mark.parametrize("size, options", [(8, {}), (16, dict(skip_spikes=6.0,
+                                                               spike_window=16))])
+def test_partition_specs_leave_the_counters_of_a_single_param_replicated(size, options):
+  # A single array param is a prefix of any state: every counter of its length (8 counted
+  # hyperparameters, a spike window of its size) took the param's spec, which the step's
+  # selects then refused on an explicit mesh.
+  mesh = _mesh(AxisType.Explicit)
+  param = jax.device_put(jnp.ones(size), NamedSharding(mesh, P("model")))
+  tx = osf.safefactor(1e-3, **options)
+  computed = osf.state_partition_specs(tx, param, P("model"))
+  assert jax.tree.map(_normalised, computed) == jax.tree.map(
+      _normalised, _placed_specs(tx, param))
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init, out_shardings=computed)(param)
+    jax.jit(tx.update)(param, state, param)
+
+
 @pytest.mark.parametrize("spec, error, message", [
     (P("data", "model", None), ValueError,
      r"param_specs\['w'\] is .* with 3 entries, for a param of shape \(256, 512\) \(rank 2\)"),

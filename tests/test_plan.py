@@ -1,6 +1,7 @@
 """The factoring plan: the optax heuristic, its round trip through the state's shapes, and
 factor rules (per-axis roles, batch axes for stacked layers and experts, logical names)."""
 
+import re
 import warnings
 
 import jax
@@ -10,6 +11,7 @@ import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
 from optax_safefactor._src.plan import FactorPlan, default_plan, plan_from_stat_shapes
@@ -118,6 +120,20 @@ def test_logical_names_given_as_lists_are_names_not_params():
   assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, expected)
 
 
+def test_a_short_partition_spec_leaves_the_last_axes_unnamed():
+  # flax gives a param with no names (a bias, a norm's scale) the empty P(); read as no
+  # roles at all, it failed init with "factor rule gives 0 roles () for a rank-1 param".
+  params = {"w": jnp.ones((4, 300, 200)), "b": jnp.ones((200,))}
+  rules = osf.logical_factor_rules({"w": P("layers"), "b": P()})
+  assert rules((jax.tree_util.DictKey("w"),), (4, 300, 200)) == ("batch", None, None)
+  assert rules((jax.tree_util.DictKey("b"),), (200,)) == (None,)
+  moment = osf.safefactor(factor_rules=rules).init(params).inner_state.second_moment["w"]
+  assert moment.v_row.shape == (4, 1, 200) and moment.v_col.shape == (4, 300, 1)
+  # A plain tuple stays exact: names of another rank are a mistake, named.
+  with pytest.raises(ValueError, match=r"params\['w'\]: factor rule gives 1 roles"):
+    osf.safefactor(factor_rules=osf.logical_factor_rules({"w": ("layers",)})).init(params)
+
+
 def test_a_misspelt_logical_name_warns_and_names_the_param_it_meant():
   # A path in the names' tree that matched no param was dropped without a word: the
   # stacked param it meant was factored over its layers axis by the heuristic.
@@ -129,6 +145,18 @@ def test_a_misspelt_logical_name_warns_and_names_the_param_it_meant():
   with pytest.warns(UserWarning, match="param_logical_axes names params .* blocks/kernal"):
     osf.presets.t5x(1e-2, logical_factor_rules="standard",
                     param_logical_axes=misspelt).init(params)
+
+
+@pytest.mark.parametrize("unnamed, listed", [
+    (3, "params['k0'], params['k1'], params['k2'])"),
+    (4, "params['k0'], params['k1'], params['k2'], ...)")])
+def test_the_misspelling_warning_counts_matrices_and_lists_at_most_three(unnamed, listed):
+  # Matrices (rank 2) go unnamed as stacks do; the list of them stops at three.
+  params = {f"k{i}": jnp.ones((300, 200)) for i in range(unnamed)}
+  rules = osf.logical_factor_rules({"kk0": ("embed", "mlp")})
+  with pytest.warns(UserWarning, match=rf"and {unnamed} param\(s\) of two or more axes have "
+                    rf"no names, so the heuristic factors them \({re.escape(listed)}"):
+    osf.safefactor(factor_rules=rules).init(params)
 
 
 def test_names_for_params_elsewhere_or_for_some_params_only_do_not_warn():

@@ -71,10 +71,7 @@ def state_spec(
   >>> tuple(state_spec(PartitionSpec("data"), (256, 512), (1, 512)))
   (None, None)
   """
-  fits = len(state_shape) == len(param_shape) and all(
-      size in (param_size, 1) for size, param_size in zip(state_shape, param_shape, strict=True)
-  )
-  if not fits:
+  if not _fits(state_shape, param_shape):
     return PartitionSpec()
   return PartitionSpec(*fitted_axis_names(tuple(param_spec), param_shape, state_shape))
 
@@ -241,12 +238,24 @@ def leaf_placement(param: Any) -> LeafPlacement:
 
 def _matches_params(params: Any, subtree: Any) -> bool:
   """Whether ``subtree`` holds a part per param (a flax box is one param, whatever the
-  part for it holds: a factored moment of boxes has two arrays where the param has one)."""
+  part for it holds: a factored moment of boxes has two arrays where the param has one),
+  each of arrays that fit its param or scalars. The structure alone is not enough: a
+  chain's states are a tuple as long as a tuple of two params."""
+  def part_fits(param, part):
+    shape = unbox(param).shape
+    return all(not leaf.shape or _fits(leaf.shape, shape) for leaf in jax.tree.leaves(part))
+
   try:
-    jax.tree.map(lambda *_: None, params, subtree, is_leaf=is_box)
+    fits = jax.tree.map(part_fits, params, subtree, is_leaf=is_box)
   except (ValueError, TypeError):
     return False
-  return True
+  return all(jax.tree.leaves(fits))
+
+
+def _fits(state_shape: Sequence[int], param_shape: Sequence[int]) -> bool:
+  """A state array of the param's rank, each axis the param's size or 1."""
+  return len(state_shape) == len(param_shape) and all(
+      size in (param_size, 1) for size, param_size in zip(state_shape, param_shape, strict=True))
 
 
 def state_partition_specs(
@@ -318,14 +327,26 @@ def state_partition_specs(
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
   abstract_state = jax.eval_shape(optimizer.init, shapes)
 
+  # The guards' counters and spike histories are the step's, not a param's, whatever
+  # their length (a single param of 8 elements and 8 counted hyperparameters).
+  from optax_safefactor._src.counters import HyperparamCounts, LeafCounts
+  from optax_safefactor._src.spikes import SpikeHistory
+  counters = (HyperparamCounts, LeafCounts, SpikeHistory)
+
+  def is_counter(node):
+    return isinstance(node, counters)
+
+  def part_specs(param, spec, part):
+    def leaf_spec(leaf):
+      if is_counter(leaf):
+        return jax.tree.map(lambda _: PartitionSpec(), leaf)
+      return state_spec(unbox(spec), unbox(param).shape, leaf.shape)
+
+    return jax.tree.map(leaf_spec, part, is_leaf=is_counter)
+
   def specs_for(subtree):
     if _matches_params(params, subtree):
-      return jax.tree.map(
-          lambda param, spec, part: jax.tree.map(
-              lambda leaf: state_spec(unbox(spec), unbox(param).shape, leaf.shape), part
-          ),
-          params, param_specs, subtree, is_leaf=is_box,
-      )
+      return jax.tree.map(part_specs, params, param_specs, subtree, is_leaf=is_box)
     children, treedef = jax.tree_util.tree_flatten(subtree, is_leaf=lambda x: x is not subtree)
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:
       return PartitionSpec()

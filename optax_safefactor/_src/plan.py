@@ -22,6 +22,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
+
+from optax_safefactor._src import placement
 
 ROLES = ("row", "column", "batch", "none")
 
@@ -294,6 +297,11 @@ def _key_path(path: Any) -> str:
   return "params" + jax.tree_util.keystr(tuple(path))
 
 
+def _as_names(names: Any) -> tuple[Any, ...]:
+  """One param's names as a tuple; a ``PartitionSpec`` is kept as one (it may be short)."""
+  return names if isinstance(names, PartitionSpec) else tuple(names)
+
+
 def logical_factor_rules(
     axis_names: Any, rules: Mapping[str, str] | None = None
 ) -> NamedParamRules:
@@ -306,7 +314,10 @@ def logical_factor_rules(
   Args:
     axis_names: a tree like the params whose leaves are tuples (or lists) of logical axis
       names (``None`` for an unnamed axis), e.g. what ``nn.get_partition_spec`` holds for
-      logically partitioned params.
+      logically partitioned params, or ``nnx.get_partition_spec`` of an NNX model's
+      params (each names' tuple inside its Variable). A ``PartitionSpec`` shorter than
+      its param leaves the last axes unnamed, as in sharding (flax gives an
+      unannotated param ``P()``); a plain tuple must name every axis.
     rules: logical name -> role; defaults to :data:`DEFAULT_LOGICAL_RULES`
       (``layers``, ``stack``, ``expert``... are batch axes). Names without a rule are
       left to the heuristic.
@@ -319,12 +330,18 @@ def logical_factor_rules(
   ('batch', None, None)
   """
   rules = DEFAULT_LOGICAL_RULES if rules is None else rules
+  # nnx.get_partition_spec gives each param's names in a Variable, as the params are.
   names_by_path = {
-      _key_path(path): tuple(names)
-      for path, names in jax.tree_util.tree_flatten_with_path(axis_names, is_leaf=_is_names)[0]
+      _key_path(path): _as_names(placement.unbox(names))
+      for path, names in jax.tree_util.tree_flatten_with_path(
+          axis_names, is_leaf=lambda node: _is_names(node) or placement.is_box(node))[0]
   }
 
   def roles_for(name, names, shape):
+    if isinstance(names, PartitionSpec):
+      # As in sharding, a spec shorter than the param leaves its last axes unnamed: flax
+      # gives a param with no names (a bias, a norm's scale) the empty P().
+      names = (*names, *[None] * (len(shape) - len(names)))
     return tuple(None if axis is None else rules.get(axis) for axis in names)
 
   return NamedParamRules(names_by_path, _key_path, roles_for, "logical_factor_rules")
