@@ -336,6 +336,19 @@ def test_a_kahan_state_is_refused_by_an_optimizer_without_kahan():
       osf.safefactor(0.1, param_rounding=rounding).update(params, state, params)
 
 
+@pytest.mark.parametrize("made_with, stepped_with", [("nearest", "kahan"),
+                                                     ("kahan", "nearest")])
+def test_kahan_on_or_off_over_float32_params_steps_as_nearest(made_with, stepped_with):
+  # Kahan keeps nothing for float32 params (a None per param), so its state and another
+  # mode's differ only by that: a nearest state stepped with Kahan failed on a bare pytree
+  # structure error, and a Kahan state with nearest was refused as carrying a compensation.
+  params = _params()
+  state = osf.safefactor(0.1, param_rounding=made_with).init(params)
+  updates, _ = osf.safefactor(0.1, param_rounding=stepped_with).update(params, state, params)
+  expected, _ = osf.safefactor(0.1).update(params, osf.safefactor(0.1).init(params), params)
+  jax.tree.map(np.testing.assert_array_equal, updates, expected)
+
+
 @pytest.mark.parametrize("make", [
     lambda: osf.safefactor(0.1, param_rounding="kahan"),
     # with_param_rounding's failed inside the write-back with AttributeError: 'NoneType'

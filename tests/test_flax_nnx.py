@@ -141,6 +141,51 @@ def test_logical_factor_rules_read_nnx_partition_specs():
   assert isinstance(moments["down"]["kernel"], osf.FullMoment)
 
 
+def test_the_reports_on_an_nnx_state_say_to_pass_the_optimizers_state():
+  # nnx.state((model, optimizer)), what the checkpoints guide saves and restores, keeps the
+  # arrays but not the state's types: the reports said the optimizer had no guard at all.
+  model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, osf.safefactor(1e-2), wrt=nnx.Param)
+  optimizer.update(model, jax.tree.map(lambda p: jnp.full_like(p, jnp.nan),
+                                       nnx.state(model, nnx.Param)))
+  assert int(osf.skipped_steps(optimizer.opt_state)) == 1
+  state = nnx.state((model, optimizer))
+  for tree in (state, state[1]["opt_state"]):
+    for report in (osf.skipped_steps, osf.nonfinite_summary, osf.nonfinite_report):
+      with pytest.raises(ValueError, match=r"this is a flax State .* pass optimizer.opt_state"):
+        report(tree)
+
+
+def test_an_nnx_optimizers_optax_state_migrates_into_its_opt_state():
+  # The converted state came out in the params' boxes, not the optimizer's: assigned to
+  # optimizer.opt_state, the next update failed inside flax ("Cannot set key
+  # 'consecutive_skips' on immutable node"). N optax steps then M safefactor steps equal
+  # N + M optax steps (float32, healthy gradients).
+  def loss_fn(model, x):
+    return jnp.mean(model(x) ** 2)
+
+  def train(optimizer, model, steps):
+    for i in range(steps):
+      x = jax.random.normal(jax.random.key(i), (4, 64))
+      optimizer.update(model, nnx.grad(loss_fn)(model, x))
+
+  reference_model = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
+  train(nnx.Optimizer(reference_model, optax.adafactor(1e-2), wrt=nnx.Param),
+        reference_model, 4)
+  model = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
+  old = nnx.Optimizer(model, optax.adafactor(1e-2), wrt=nnx.Param)
+  train(old, model, 2)
+  tx = osf.safefactor(1e-2)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer.opt_state = osf.migrate_from_optax(old.opt_state, tx, nnx.state(model, nnx.Param))
+  for i in range(2, 4):
+    x = jax.random.normal(jax.random.key(i), (4, 64))
+    optimizer.update(model, nnx.grad(loss_fn)(model, x))
+  chex.assert_trees_all_close(nnx.state(model, nnx.Param), nnx.state(reference_model,
+                                                                      nnx.Param), rtol=1e-5)
+  assert osf.nonfinite_summary(optimizer.opt_state) == "no skipped steps in 2 steps"
+
+
 def test_an_auto_mode_step_that_pins_the_state_compiles_once_and_keeps_it():
   # In Auto mode XLA's propagation places the step's outputs: it shards up's replicated bias
   # over "model", its statistics follow, and a step that hands them back so compiles again

@@ -168,6 +168,8 @@ def check_has_compensation(state_compensation: Any, keeps: bool, param_rounding:
     return
   if keeps and not any(is_narrow(leaf.dtype) for leaf in jax.tree.leaves(params)):
     return
+  if not keeps and not jax.tree.leaves(state_compensation):
+    return  # Kahan's compensation of params none of which is narrow: None for each
   if keeps:
     raise ValueError(
         f"this optimizer has {setting}='kahan', but the optimizer state holds no "

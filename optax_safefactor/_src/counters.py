@@ -303,6 +303,13 @@ def find_counters(opt_state: Any) -> list[SkipNonfiniteState | MicroBatchCounter
 def find_counters_with_paths(opt_state: Any) -> list[tuple[tuple[Any, ...], Any]]:
   """:func:`find_counters`' states, each with its key path in ``opt_state``."""
   found = find_all_with_paths(opt_state, COUNTER_TYPES)
+  if not found and type(opt_state).__module__.startswith("flax.nnx"):
+    # nnx.state() keeps each array in a dict by its field's name: no state type is left.
+    raise ValueError(
+        f"this is a flax {type(opt_state).__name__} (of nnx.state(optimizer), or of a model "
+        "and optimizer pair, as saved or restored), which keeps the optimizer state's arrays "
+        "but not its types, so no guard can be found in it: pass optimizer.opt_state (or "
+        "the nnx.Optimizer), after nnx.update or nnx.merge of a restored state")
   if not found:
     raise ValueError(
         "no skip_nonfinite state found in opt_state; was the optimizer built with "

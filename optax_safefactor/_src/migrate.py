@@ -81,7 +81,9 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
   dtype and placed like ``optimizer.init(params)`` places them; skip counters start
   at 0, and state optax has no counterpart for (the Kahan compensation of
   ``param_rounding="kahan"``) starts as ``optimizer.init(params)`` makes it: zeros.
-  Linen's boxed params (``nn.Partitioned``) and states are converted inside their boxes.
+  Linen's boxed params (``nn.Partitioned``) and states are converted inside their boxes;
+  an ``nnx.Optimizer``'s ``opt_state`` (with ``nnx.state(model, nnx.Param)`` as the
+  params) converts to a state in the optimizer's own boxes, ready for ``opt_state``.
 
   The wrappers both optimizers hold keep their step counts, so their schedules go on:
   ``optax.inject_hyperparams`` (with the values, and the schedules' counts, of the
@@ -129,6 +131,7 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
   # A Linen job's params and both states come boxed (nn.Partitioned): the statistics are
   # converted unboxed and put back in the boxes init gives them.
   boxed_target = optimizer.init(params)
+  held_by_nnx_optimizer = _held_by_nnx_optimizer(optax_state)
   params, optax_state, target = map(placement.unboxed_tree,
                                     (params, optax_state, boxed_target))
   factored_states = find_all(optax_state, optax.FactoredState)
@@ -202,7 +205,22 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
           stacklevel=2)
   migrated = _carry_wrapper_counts(optax_state,
                                    jax.tree.map(convert, target, is_leaf=is_adafactor_state))
-  return placement.boxed_like(boxed_target, migrated)
+  migrated = placement.boxed_like(boxed_target, migrated)
+  if held_by_nnx_optimizer:
+    # nnx.Optimizer keeps its state in its own boxes, as its init puts it there.
+    from flax import nnx
+    return nnx.optimizer.to_opt_state(migrated)
+  return migrated
+
+
+def _held_by_nnx_optimizer(state: Any) -> bool:
+  """Whether ``state`` is an ``nnx.Optimizer``'s ``opt_state`` (its leaves in the boxes
+  ``nnx.optimizer.to_opt_state`` puts them in), found without importing flax."""
+  def is_opt_state(x):
+    return any(kind.__name__ == "OptState" and kind.__module__.startswith("flax.nnx")
+               for kind in type(x).__mro__)
+
+  return any(is_opt_state(leaf) for leaf in jax.tree.leaves(state, is_leaf=is_opt_state))
 
 
 def _paired(optax_state: Any, target: Any, optax_kind: type, kind: type, carry) -> Any:

@@ -192,7 +192,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
     leaves = jax.tree_util.tree_map_with_path(leaf_of, updates, inner.second_moment, masks,
                                               momentum_tree)
-    if keeps_compensation:
+    if keeps_compensation and inner.compensation is not None:
+      # (None: a state made without Kahan, for params none of which is narrow.)
       jax.tree_util.tree_map_with_path(checks.check_leaf_compensation, updates,
                                        inner.compensation)
     step = schedules.step_values(hp, inner.count, real_dtypes)
