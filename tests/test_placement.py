@@ -239,13 +239,30 @@ def test_partition_specs_leave_the_counters_of_a_single_param_replicated(size, o
     # A plain tuple was read as a tuple of params: "param_specs['w'][0], ... not in params".
     (("data", "model"), TypeError, r"param_specs\['w'\] must be a PartitionSpec, got the "
                                    r"tuple \('data', 'model'\): write PartitionSpec"),
-], ids=["too-long", "unknown-axis", "unknown-axis-in-tuple", "not-a-spec", "plain-tuple"])
+    # JAX's DuplicateSpecError, from inside, named no param.
+    (P("model", "model"), ValueError, r"param_specs\['w'\] is .*: it names mesh axis 'model' "
+                                      r"more than once"),
+], ids=["too-long", "unknown-axis", "unknown-axis-in-tuple", "not-a-spec", "plain-tuple",
+        "axis-twice"])
 def test_partition_specs_refuse_a_spec_that_cannot_place_its_param(spec, error, message):
   # Each failed deep inside (a zip in the traced init, JAX's mesh lookup) without a path.
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   with pytest.raises(error, match=message):
     osf.state_partition_specs(osf.safefactor(0.1, momentum=0.9), params, SPECS | {"w": spec},
                               mesh=_mesh(AxisType.Explicit))
+
+
+def test_partition_specs_check_axis_names_against_the_current_mesh():
+  # Without mesh=, inside jax.set_mesh (as the sharding guide writes it), a misspelt axis
+  # passed, and JAX's error later quoted a statistic's spec the user never wrote.
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  tx = osf.safefactor(0.1)
+  with (jax.set_mesh(_mesh(AxisType.Explicit)),
+        pytest.raises(ValueError, match=r"param_specs\['w'\] is .*: the mesh has no axis "
+                                        r"'mdl' \(its axes: 'data', 'model'\)")):
+    osf.state_partition_specs(tx, params, SPECS | {"w": P("data", "mdl")})
+  # With no mesh current, names are not checked (the specs may be for a mesh made later).
+  osf.state_partition_specs(tx, params, SPECS | {"w": P("data", "mdl")})
 
 
 def test_partition_specs_and_migration_refuse_what_is_no_optimizer_or_mesh():

@@ -294,8 +294,9 @@ def state_partition_specs(
 
   Raises:
     ValueError: naming the param, when ``param_specs`` does not hold one
-      ``PartitionSpec`` per param, when a spec has more entries than its param has axes,
-      or when it names an axis that ``mesh`` does not have.
+      ``PartitionSpec`` per param, when a spec has more entries than its param has axes
+      or names one mesh axis twice, or when it names an axis that ``mesh`` (without it,
+      the mesh ``jax.set_mesh`` made current, if any) does not have.
     TypeError: naming the param, when its spec is not a ``PartitionSpec``.
   """
   # checks places its own messages with this module's helpers: imported here, not above.
@@ -376,12 +377,19 @@ def _check_spec(mesh: jax.sharding.Mesh | None, path: Any, param: Any, spec: Any
   if len(spec) > len(shape):
     raise ValueError(f"{where} is {spec} with {len(spec)} entries, for a param of shape "
                      f"{tuple(shape)} (rank {len(shape)})")
-  if mesh is not None:
-    for entry in spec:
-      for name in entry if isinstance(entry, tuple) else (entry,):
-        if isinstance(name, str) and name not in mesh.axis_names:
-          raise ValueError(f"{where} is {spec}: the mesh has no axis {name!r} (its axes: "
-                           f"{', '.join(map(repr, mesh.axis_names))})")
+  names = [name for entry in spec for name in (entry if isinstance(entry, tuple) else (entry,))
+           if isinstance(name, str)]
+  repeated = sorted({name for name in names if names.count(name) > 1})
+  if repeated:
+    raise ValueError(f"{where} is {spec}: it names mesh axis {repeated[0]!r} more than once, "
+                     "and a mesh axis shards one dimension at most")
+  # Without mesh=, the mesh jax.set_mesh made current (if any) is the one to check against.
+  mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+  if mesh.axis_names:
+    for name in names:
+      if name not in mesh.axis_names:
+        raise ValueError(f"{where} is {spec}: the mesh has no axis {name!r} (its axes: "
+                         f"{', '.join(map(repr, mesh.axis_names))})")
 
 
 def _mesh_is_trivial(mesh: Any) -> bool:
