@@ -304,7 +304,7 @@ def _as_names(names: Any) -> tuple[Any, ...]:
 
 def logical_factor_rules(
     axis_names: Any, rules: Mapping[str, str] | None = None
-) -> NamedParamRules:
+) -> FactorRulesFn:
   """Factor rules from logical axis names (flax partitioning names, T5X style).
 
   ``init`` warns when ``axis_names`` names a param the tree does not have while a param
