@@ -128,7 +128,7 @@ def test_logical_factor_rules_read_nnx_partition_specs():
   # nnx.get_partition_spec gives each param's names inside its Variable: the paths, ending
   # in .value, matched no param (a warning, and the heuristic for every param), and an
   # unannotated bias's empty P() was read as no roles at all (init failed).
-  with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+  with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)):
     model = MLP(nnx.Rngs(0), partitioned=True)
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     rules = osf.logical_factor_rules(specs, {"model": "none"})

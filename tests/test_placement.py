@@ -252,6 +252,25 @@ def test_partition_specs_refuse_a_spec_that_cannot_place_its_param(spec, error, 
                               mesh=_mesh(AxisType.Explicit))
 
 
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+def test_a_state_placed_unlike_its_params_steps_on_an_explicit_mesh(jitted):
+  # A state committed to one replicated sharding (restored without state shardings) with
+  # sharded params: optax.adafactor steps, and safefactor stopped in the guard's select,
+  # "select cases must have the same shardings", naming no param.
+  mesh = _mesh(AxisType.Explicit)
+  host = {"kernel": jnp.ones((256, 512)), "bias": jnp.zeros((512,))}
+  specs = {"kernel": P("data", "model"), "bias": P("model")}
+  tx = osf.safefactor(1e-3, momentum=0.9)
+  state = jax.device_put(tx.init(host), NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh):
+    params = jax.tree.map(lambda p, s: jax.device_put(p, NamedSharding(mesh, s)), host, specs)
+    update = jax.jit(tx.update) if jitted else tx.update
+    updates, new_state = update(params, state, params)
+  expected, _ = tx.update(host, tx.init(host), host)
+  assert_trees_close(updates, expected, rtol=1e-5)
+  assert new_state.inner_state.momentum["kernel"].sharding.spec == P("data", "model")
+
+
 def test_partition_specs_check_axis_names_against_the_current_mesh():
   # Without mesh=, inside jax.set_mesh (as the sharding guide writes it), a misspelt axis
   # passed, and JAX's error later quoted a statistic's spec the user never wrote.

@@ -55,3 +55,11 @@ def match_sharding(x: jax.Array, like: jax.Array) -> jax.Array:
   if jax.typeof(x).sharding.spec == sharding.spec or x.shape != like.shape:
     return x
   return jax.sharding.reshard(x, sharding.spec)
+
+
+def placed_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` placed as ``like`` is: resharded inside ``jax.jit`` on explicit mesh axes
+  (:func:`match_sharding`), moved when both are concrete arrays."""
+  if isinstance(like, jax.core.Tracer):
+    return match_sharding(x, like)
+  return jax.device_put(x, like.sharding)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_safefactor._src import compat
+
 
 def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
   """``jnp.where(pred, on_true, on_false)`` in ``on_true``'s dtype, as one select op.
@@ -38,6 +40,11 @@ def keep_unless_skipped(step_finite: jax.Array | None, new: jax.Array, old: jax.
   itself (see :func:`select`)."""
   if step_finite is None:
     return new
+  if getattr(jax.typeof(old), "sharding", None) != getattr(jax.typeof(new), "sharding", None):
+    # A state placed unlike what the step makes of it (restored onto one replicated
+    # sharding, say): on explicit mesh axes lax.select refuses the pair, so the kept
+    # value takes the new one's placement, as optax's arithmetic gives it.
+    old = compat.placed_like(old, new)
   return jax.lax.select(step_finite, new, old)
 
 
