@@ -56,10 +56,3 @@ def match_sharding(x: jax.Array, like: jax.Array) -> jax.Array:
     return x
   return jax.sharding.reshard(x, sharding.spec)
 
-
-def placed_like(x: jax.Array, like: jax.Array) -> jax.Array:
-  """``x`` placed as ``like`` is: resharded inside ``jax.jit`` on explicit mesh axes
-  (:func:`match_sharding`), moved when both are concrete arrays."""
-  if isinstance(like, jax.core.Tracer):
-    return match_sharding(x, like)
-  return jax.device_put(x, like.sharding)

@@ -44,7 +44,8 @@ def keep_unless_skipped(step_finite: jax.Array | None, new: jax.Array, old: jax.
     # A state placed unlike what the step makes of it (restored onto one replicated
     # sharding, say): on explicit mesh axes lax.select refuses the pair, so the kept
     # value takes the new one's placement, as optax's arithmetic gives it.
-    old = compat.placed_like(old, new)
+    old = (compat.match_sharding(old, new) if isinstance(new, jax.core.Tracer)
+           else jax.device_put(old, new.sharding))
   return jax.lax.select(step_finite, new, old)
 
 
