@@ -55,4 +55,3 @@ def match_sharding(x: jax.Array, like: jax.Array) -> jax.Array:
   if jax.typeof(x).sharding.spec == sharding.spec or x.shape != like.shape:
     return x
   return jax.sharding.reshard(x, sharding.spec)
-

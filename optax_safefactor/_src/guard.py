@@ -245,7 +245,7 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any, old_state: Any) 
       per_leaf = updates_def.flatten_up_to(x)
     except (ValueError, TypeError):
       return False
-    return all(hasattr(array, "dtype") and _fits(jnp.shape(array), shape)
+    return all(hasattr(array, "dtype") and placement.fits_param(jnp.shape(array), shape)
                for part, shape in zip(per_leaf, update_shapes, strict=True)
                for array in jax.tree.leaves(part))
 
@@ -266,12 +266,6 @@ def _leaf_finite_from_outputs(new_updates: Any, new_state: Any, old_state: Any) 
     return jnp.all(jnp.stack(finite)) & unattributed if finite else unattributed
 
   return flag_vector(jax.tree.leaves(jax.tree.map(leaf_finite, new_updates, *shaped)))
-
-
-def _fits(shape: tuple[int, ...], leaf_shape: tuple[int, ...]) -> bool:
-  """A leaf's statistic: its rank, each axis the leaf's size or 1."""
-  return len(shape) == len(leaf_shape) and all(
-      size in (1, leaf_size) for size, leaf_size in zip(shape, leaf_shape, strict=True))
 
 
 def _without_spike_histories(state: Any) -> Any:

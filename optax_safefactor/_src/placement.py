@@ -71,7 +71,7 @@ def state_spec(
   >>> tuple(state_spec(PartitionSpec("data"), (256, 512), (1, 512)))
   (None, None)
   """
-  if not _fits(state_shape, param_shape):
+  if not fits_param(state_shape, param_shape):
     return PartitionSpec()
   return PartitionSpec(*fitted_axis_names(tuple(param_spec), param_shape, state_shape))
 
@@ -243,7 +243,7 @@ def _matches_params(params: Any, subtree: Any) -> bool:
   chain's states are a tuple as long as a tuple of two params."""
   def part_fits(param, part):
     shape = unbox(param).shape
-    return all(not leaf.shape or _fits(leaf.shape, shape) for leaf in jax.tree.leaves(part))
+    return all(not leaf.shape or fits_param(leaf.shape, shape) for leaf in jax.tree.leaves(part))
 
   try:
     fits = jax.tree.map(part_fits, params, subtree, is_leaf=is_box)
@@ -252,8 +252,9 @@ def _matches_params(params: Any, subtree: Any) -> bool:
   return all(jax.tree.leaves(fits))
 
 
-def _fits(state_shape: Sequence[int], param_shape: Sequence[int]) -> bool:
-  """A state array of the param's rank, each axis the param's size or 1."""
+def fits_param(state_shape: Sequence[int], param_shape: Sequence[int]) -> bool:
+  """A state array of the param's rank, each axis the param's size or 1: the param's own
+  (a moment, or statistics kept with keepdims)."""
   return len(state_shape) == len(param_shape) and all(
       size in (param_size, 1) for size, param_size in zip(state_shape, param_shape, strict=True))
 
