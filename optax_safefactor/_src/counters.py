@@ -233,7 +233,7 @@ def _zero_counts(params: Any) -> dict[str, Any]:
   )
 
 
-def init_guarded(inner_state: Any, params: Any, spike_window: int | None = None,
+def init_guarded(inner_state: Any, params: Any, spike_window: Any = None,
                  hyperparams: tuple[str, ...] = ()) -> SkipNonfiniteState:
   """A guard's state around ``inner_state``, with every counter at zero, an empty
   spike history of ``spike_window`` steps unless that is ``None``, and counts for the

@@ -420,7 +420,7 @@ def skip_nonfinite(
     # Any dtype: skip_nonfinite wraps any transformation, which decides about integer leaves.
     checks.check_init_params(params, any_dtype=True)
     inner_state = inner.init(params)
-    return init_guarded(inner_state, params, None if skip_spikes is None else int(spike_window),
+    return init_guarded(inner_state, params, None if skip_spikes is None else spike_window,
                         tuple(injected_hyperparams(inner_state)))
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -87,12 +87,21 @@ _STATISTICS = ("gradient_norms", "losses", "last_spike_value", "last_spike_limit
                "last_spike_leaf_norm")
 
 
-def init_history(window: int) -> SpikeHistory:
+def init_history(window: Any) -> SpikeHistory:
   """An empty history of ``window`` steps.
 
   Every field is an array of its own (never one array shared by several fields), so that
   a jitted step may donate the state.
   """
+  if isinstance(window, jax.core.Tracer):
+    # optax.inject_hyperparams hands the window over as an array, traced under
+    # jax.eval_shape (a checkpoint's restore target) or jax.jit; int() of it failed with
+    # JAX's bare ConcretizationTypeError, naming no setting.
+    raise TypeError(
+        "spike_window is traced; it sets the state's shape (the spike history's length), so "
+        "give it as a Python int (with optax.inject_hyperparams pass "
+        "static_args=('spike_window',) or call init outside jax.jit and jax.eval_shape)")
+  window = int(window)
 
   def counter(value):
     return jnp.full([], value, jnp.int32)

@@ -131,7 +131,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
                            compensation if keeps_compensation else None)
     if not guarded:
       return state
-    spike_window = None if hp.skip_spikes is None else int(hp.spike_window)
+    spike_window = None if hp.skip_spikes is None else hp.spike_window
     return counters.init_guarded(state, values, spike_window, schedules.CHECKED_HYPERPARAMS)
 
   def update_fn(updates, state, params=None, **extra_args):
