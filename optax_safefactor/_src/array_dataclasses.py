@@ -33,14 +33,23 @@ _FLAX_SERIALIZATION = "flax.serialization"
 _ARRAY_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def register(cls: type, array_fields: tuple[str, ...]) -> None:
+# Per registered class, what its arrays' length counts in a given instance (the params'
+# leaves, say), for the error when a saved array does not fit the restore's target.
+_DESCRIBE: dict[type, Callable[[Any], str]] = {}
+
+
+def register(cls: type, array_fields: tuple[str, ...],
+             describe: Callable[[Any], str] | None = None) -> None:
   """Registers the frozen dataclass ``cls``: ``array_fields`` are its pytree's children, its
-  other fields static (compared, not traced), and Flax's state dict is its array fields."""
+  other fields static (compared, not traced), and Flax's state dict is its array fields.
+  ``describe(instance)`` says what the instance's arrays count, for a restore's errors."""
   static_fields = [field.name for field in dataclasses.fields(cls)
                    if field.name not in array_fields]
   jax.tree_util.register_dataclass(cls, data_fields=list(array_fields),
                                    meta_fields=static_fields)
   _ARRAY_FIELDS[cls] = tuple(array_fields)
+  if describe is not None:
+    _DESCRIBE[cls] = describe
   serialization = sys.modules.get(_FLAX_SERIALIZATION)
   if serialization is not None:
     _register_with_flax(serialization)
@@ -72,11 +81,31 @@ def _from_state_dict(serialization: ModuleType,
       raise ValueError(
           f"a {type(target).__name__} restores from the fields {sorted(array_fields)}, but "
           f"the state dict has {sorted(state)} at path {serialization.current_path()}")
+    for name in array_fields:
+      _check_shape(target, name, state[name], serialization.current_path())
     return dataclasses.replace(target, **{
         name: serialization.from_state_dict(getattr(target, name), state[name], name=name)
         for name in array_fields})
 
   return from_state_dict
+
+
+def _check_shape(target: Any, name: str, saved: Any, path: str) -> None:
+  """A saved array must have its target's shape: flax returns a restored array as it was
+  saved, and drops the dict keys its target lacks, so counts saved for a param since
+  removed came back one too many under the target's names, and the reports failed on
+  ``zip()`` far from the restore."""
+  expected = getattr(getattr(target, name), "shape", None)
+  found = getattr(saved, "shape", None)
+  if expected is None or found is None or tuple(expected) == tuple(found):
+    return
+  describe = _DESCRIBE.get(type(target))
+  counted = f" ({describe(target)})" if describe is not None else ""
+  raise ValueError(
+      f"{path}/{name}: the saved {type(target).__name__} has shape {tuple(found)}, but the "
+      f"restore's target has {tuple(expected)}{counted}: the checkpoint was written for "
+      "other params or by an optimizer of another configuration; build the target as the "
+      "saved state was built (the same params and settings)")
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):

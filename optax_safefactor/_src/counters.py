@@ -94,7 +94,16 @@ def _one_optimizers(counts: Any, owner: str) -> Any:
   return counts
 
 
-array_dataclasses.register(LeafCounts, ("counts",))
+def _listed(names: list[str] | tuple[str, ...]) -> str:
+  """The first few of ``names``, and how many there are (a restore's error on a tree of
+  hundreds of params stays readable)."""
+  shown = ", ".join(names[:4])
+  return shown if len(names) <= 4 else f"{shown}, ... ({len(names)} in all)"
+
+
+array_dataclasses.register(
+    LeafCounts, ("counts",),
+    lambda counts: f"one count per param leaf of its params: {_listed(counts.names())}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +146,9 @@ class HyperparamCounts:
     return dict(zip(self.names, counts, strict=True)), dict(zip(self.names, last, strict=True))
 
 
-array_dataclasses.register(HyperparamCounts, ("counts", "last_step"))
+array_dataclasses.register(
+    HyperparamCounts, ("counts", "last_step"),
+    lambda counts: f"one per hyperparameter its guard checks: {_listed(counts.names)}")
 
 
 class SkipNonfiniteState(NamedTuple):
