@@ -32,7 +32,7 @@ from optax_safefactor._src.reports import skipped_steps as skipped_steps
 from optax_safefactor._src.spikes import SpikeHistory as SpikeHistory
 from optax_safefactor._src.transform import AdafactorState as AdafactorState
 
-__version__ = "0.3.0"
+__version__ = "0.4.0.dev0"
 
 __all__ = (
     "DEFAULT_LOGICAL_RULES",
