@@ -496,6 +496,22 @@ def test_a_mesh_run_equals_the_single_device_run_bit_for_bit(mode, axis_type):
   assert_trees_bitwise_equal(jax.tree.map(np.asarray, sharded), _single_device_run(mode))
 
 
+def test_an_explicit_mesh_run_needs_no_current_mesh():
+  # Params placed on an Explicit mesh carry it in their types, and the step compiled
+  # without jax.set_mesh ran for "nearest" and "kahan"; "stochastic" stopped at placing its
+  # bits by a bare PartitionSpec: "Using PartitionSpec when you are not under a mesh context".
+  tx = _mesh_tx("stochastic")
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+  def place(tree):
+    return {k: jax.device_put(v, NamedSharding(mesh, MESH_SPECS[k])) for k, v in tree.items()}
+
+  params = place(_mesh_params(0))
+  sharded = _loop(tx, params, [place(g) for g in _mesh_grads()], tx.init(params))
+  assert sharded[0]["stack"].sharding.spec == MESH_SPECS["stack"]
+  assert_trees_bitwise_equal(jax.tree.map(np.asarray, sharded), _single_device_run("stochastic"))
+
+
 # --- checkpoints --------------------------------------------------------------------------------
 
 

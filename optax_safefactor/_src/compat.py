@@ -54,4 +54,6 @@ def match_sharding(x: jax.Array, like: jax.Array) -> jax.Array:
     return x
   if jax.typeof(x).sharding.spec == sharding.spec or x.shape != like.shape:
     return x
-  return jax.sharding.reshard(x, sharding.spec)
+  # The whole sharding, not its spec: a bare spec needs a current mesh (jax.set_mesh),
+  # and a step on arrays placed on an Explicit mesh compiles without one.
+  return jax.sharding.reshard(x, sharding)
