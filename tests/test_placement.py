@@ -271,6 +271,32 @@ def test_a_state_placed_unlike_its_params_steps_on_an_explicit_mesh(jitted):
   assert new_state.inner_state.momentum["kernel"].sharding.spec == P("data", "model")
 
 
+@pytest.mark.parametrize("init_under_mesh", [False, True], ids=["init-outside", "init-inside"])
+def test_spike_skipping_on_an_explicit_mesh_steps_without_a_current_mesh(init_under_mesh):
+  # Params placed on an Explicit mesh, stepped without jax.set_mesh: the spike history's
+  # ring and the step's norm were on different meshes, and dynamic_update_slice refused
+  # the pair ("operand sharding must be equal to update sharding").
+  mesh = _mesh(AxisType.Explicit)
+  tx = osf.safefactor(1e-3, skip_spikes=6.0, spike_window=4)
+  params = {name: _params(mesh)[name] for name in ("w", "b")}
+  update = jax.jit(tx.update)
+  grads = [jax.tree.map(lambda p, s=scale: p * s, params) for scale in (1.0, 1.1, 0.9, 50.0)]
+  if init_under_mesh:  # as a state restored onto the mesh is placed
+    with jax.set_mesh(mesh):
+      state = tx.init(params)
+  else:
+    state = tx.init(params)
+  for grad in grads:
+    _, state = update(grad, state, params)
+  host = jax.tree.map(np.asarray, params)
+  expected_state = tx.init(host)
+  for grad in grads:
+    _, expected_state = update(jax.tree.map(np.asarray, grad), expected_state, host)
+  assert int(osf.skipped_spikes(state)) == int(osf.skipped_spikes(expected_state)) == 1
+  assert_trees_close(state.spikes.gradient_norms, expected_state.spikes.gradient_norms,
+                     rtol=1e-6)
+
+
 def test_partition_specs_check_axis_names_against_the_current_mesh():
   # Without mesh=, inside jax.set_mesh (as the sharding guide writes it), a misspelt axis
   # passed, and JAX's error later quoted a statistic's spec the user never wrote.

@@ -384,8 +384,10 @@ def record(history: SpikeHistory, verdict: SpikeVerdict, step_finite: jax.Array,
   loss = jnp.where(jnp.isfinite(verdict.loss), verdict.loss, jnp.nan)
 
   def write(ring, value):
-    written = jax.lax.dynamic_update_index_in_dim(ring, value, position, 0)
-    return jnp.where(appends, written, ring)
+    # A select, not dynamic_update_slice: that one refuses a ring and a value placed on
+    # different meshes (a state made outside jax.set_mesh, a norm of params placed on an
+    # Explicit mesh), where a select places them alike.
+    return jnp.where(appends & (jnp.arange(window) == position), value, ring)
 
   length = jnp.where(verdict.restart, 1, jnp.minimum(history.length + 1, window))
   skip = verdict.skip
