@@ -17,7 +17,13 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import optax_safefactor as osf  # noqa: E402
-from tests.sharded_problem import SPECS, STEPS, host_arrays, make_optimizer  # noqa: E402
+from tests.sharded_problem import (  # noqa: E402
+    POISONED_STEP,
+    SPECS,
+    STEPS,
+    host_arrays,
+    make_optimizer,
+)
 
 
 def main(process_id: int, num_processes: int, port: int, output: str) -> None:
@@ -49,7 +55,24 @@ def main(process_id: int, num_processes: int, port: int, output: str) -> None:
   if process_id == 0:
     np.savez(output, skipped=skipped, spikes=spikes,
              **{k: np.asarray(v) for k, v in gathered.items()})
+  with open(f"{output}.stop{process_id}.txt", "w") as stop:
+    stop.write(_stop_message(mesh, global_array, params_np, grads_np))
   jax.distributed.shutdown()
+
+
+def _stop_message(mesh, global_array, params_np, grads_np) -> str:
+  """What this process's jitted step raises with max_consecutive_skips=1 on the poisoned
+  step's gradient; last, so that a process that does not stop finds no collective to
+  wait in."""
+  tx = osf.safefactor(0.05, max_consecutive_skips=1)
+  params = {"w": global_array(params_np["w"], SPECS["w"])}
+  grads = {"w": global_array(grads_np["w"][POISONED_STEP], SPECS["w"])}
+  with jax.set_mesh(mesh):
+    try:
+      jax.block_until_ready(jax.jit(tx.update)(grads, tx.init(params), params))
+    except jax.errors.JaxRuntimeError as error:
+      return str(error)
+  return "no error"
 
 
 if __name__ == "__main__":

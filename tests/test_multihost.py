@@ -73,3 +73,9 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
   assert int(result["skipped"]) == int(osf.skipped_steps(state)) == 2
   assert int(result["spikes"]) == int(osf.skipped_spikes(state)) == 1
   assert_trees_close({k: result[k] for k in SPECS}, jax.tree.map(np.asarray, params), rtol=1e-6)
+  # max_consecutive_skips stops every process: its callback ran on one device of the
+  # program, so only process 0 raised and process 1 stepped on, to wait in the next
+  # collective for ever.
+  for pid in range(2):
+    stop = pathlib.Path(f"{output}.stop{pid}.txt").read_text()
+    assert "NonFiniteStepsError: 1 optimizer step" in stop and "params['w']" in stop, (pid, stop)

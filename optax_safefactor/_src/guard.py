@@ -98,8 +98,13 @@ def _stop_after_max_consecutive(consecutive, step, leaf_finite, hyperparams_fini
   if not isinstance(consecutive, jax.core.Tracer):
     raise_if_over(*flags)
     return
+  # Unpartitioned, the callback runs on one device of the whole program: with several
+  # processes only the process holding it would stop, and the others would step on and
+  # wait in the next collective. Partitioned, every device calls it with its own copy of
+  # these replicated flags; in one process that would log the error once per device.
   jax.lax.cond(consecutive >= max_consecutive,
-               lambda: jax.debug.callback(raise_if_over, *flags),
+               lambda: jax.debug.callback(raise_if_over, *flags,
+                                          partitioned=jax.process_count() > 1),
                lambda: None)
 
 
