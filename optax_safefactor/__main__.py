@@ -6,7 +6,10 @@ command line.
 """
 
 import importlib
+import os
 import sys
+
+from optax_safefactor.benchmarks.common import INTERRUPTED
 
 # Subcommand -> module of optax_safefactor.benchmarks. Imported only when asked for.
 SUBCOMMANDS = {"bench": "bench", "bench-rounding": "rounding", "bench-accumulate": "accumulate"}
@@ -18,8 +21,21 @@ def _main() -> int:
     from optax_safefactor.benchmarks.demo import main
 
     return main()
-  return importlib.import_module(f"optax_safefactor.benchmarks.{name}").main(sys.argv[2:])
+  try:
+    return importlib.import_module(f"optax_safefactor.benchmarks.{name}").main(sys.argv[2:])
+  except KeyboardInterrupt:
+    # Ctrl-C: one line, not a traceback through JAX's compiler; the rows each benchmark
+    # printed as it measured them stand.
+    print(f"python -m optax_safefactor {sys.argv[1]}: interrupted", file=sys.stderr)
+    return INTERRUPTED
 
 
 if __name__ == "__main__":
-  sys.exit(_main())
+  status = _main()
+  if status == INTERRUPTED:
+    # JAX's threads can still be compiling or running the interrupted step, and tearing
+    # the interpreter down under them crashed it (SIGSEGV) in about half the tries.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)

@@ -157,6 +157,47 @@ def test_missing_extras_fail_before_training(absent, tmp_path, monkeypatch, caps
       "demo needs its extra, pip install 'optax-safefactor[demo]'"]
 
 
+def test_ctrl_c_prints_the_finished_runs_and_one_line(tmp_path, monkeypatch, capsys):
+  # Ctrl-C printed some 50 lines of traceback through JAX's compiler, and the runs that
+  # had finished were lost.
+  finished = []
+
+  def train(name, dtype, steps, *args, **kwargs):
+    if len(finished) == 2:
+      raise KeyboardInterrupt
+    finished.append(name)
+    return _result(name, dtype, steps)
+
+  monkeypatch.setattr(demo, "train", train)
+  out = tmp_path / "out"
+  try:
+    status = demo.main(["--out", str(out), "--steps", "3", "--rounding-steps", "0",
+                        "--spike-steps", "0"])
+  except KeyboardInterrupt:
+    pytest.fail("Ctrl-C went through main() as a traceback")
+  assert status == common.INTERRUPTED
+  captured = capsys.readouterr()
+  rows = [line for line in captured.out.splitlines() if line.startswith("| ")]
+  assert [row.split(" | ")[0] for row in rows[1:]] == ["| safefactor", "| optax.adafactor"]
+  assert captured.err.splitlines()[-1] == (
+      "python -m optax_safefactor: interrupted after 2 of 4 runs: the table shows the "
+      "finished ones; no plot written")
+  assert not (out / "loss_curves.png").exists()
+
+
+def test_ctrl_c_in_a_subcommand_is_one_line_and_status_130(tmp_path):
+  # As the shell sees it: the benchmark stopped by Ctrl-C inside its main().
+  code = ("import runpy, optax_safefactor.benchmarks.accumulate as bench\n"
+          "def interrupted(argv):\n  raise KeyboardInterrupt\n"
+          "bench.main = interrupted\n"
+          "runpy.run_module('optax_safefactor', run_name='__main__')\n")
+  result = subprocess.run(
+      [sys.executable, "-c", code, "bench-accumulate"], cwd=tmp_path, capture_output=True,
+      text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+  assert result.returncode == 130, result.stderr[-3000:]
+  assert result.stderr.splitlines() == ["python -m optax_safefactor bench-accumulate: interrupted"]
+
+
 def test_unwritable_folder_reasons(tmp_path):
   assert common.unwritable_folder(tmp_path / "a" / "b") is None
   assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe is removed

@@ -260,6 +260,10 @@ def json_problem(path: pathlib.Path) -> str | None:
   return problem
 
 
+# The exit status of a run stopped by Ctrl-C: 128 + SIGINT, as a shell reports it.
+INTERRUPTED = 130
+
+
 def fail(prog: str, message: str) -> int:
   """One line on stderr, as argparse words a usage error, and its exit status (2).
 

@@ -24,7 +24,14 @@ import numpy as np
 import optax
 
 import optax_safefactor as osf
-from optax_safefactor.benchmarks.common import HelpFormatter, fail, plural, unwritable_folder, wrap
+from optax_safefactor.benchmarks.common import (
+    INTERRUPTED,
+    HelpFormatter,
+    fail,
+    plural,
+    unwritable_folder,
+    wrap,
+)
 
 SEQUENCE_LENGTH = 64
 BATCH_SIZE = 16
@@ -600,6 +607,28 @@ def missing_extras(stream) -> list[str]:
   return [name for name in needed if importlib.util.find_spec(name) is None]
 
 
+def _train_all(args: argparse.Namespace, runs, rounding_runs, spike_runs, total: int,
+               results: list[RunResult]) -> None:
+  """Every run of the demo, appended to ``results`` as each finishes."""
+  with progress_bar(total, sys.stderr) as progress:
+    for name, dtype in runs:
+      progress.set_description(f"{name} / {dtype}")
+      results.append(train(name, dtype, args.steps, args.seed, progress,
+                           accumulate=args.accumulate))
+    for name, dtype, rounding in rounding_runs:
+      progress.set_description(f"{name} / {dtype} {rounding}")
+      result = train(name, dtype, args.rounding_steps, args.seed, progress,
+                     accumulate=args.accumulate, learning_rate=ROUNDING_LEARNING_RATE,
+                     param_rounding=rounding if name == "safefactor" else None)
+      results.append(dataclasses.replace(result, comparison="rounding"))
+    for name, skip_spikes in spike_runs:
+      progress.set_description(f"{name} / a {SPIKE_FACTOR:g}x gradient")
+      result = train(name, "float32", args.spike_steps, args.seed, progress,
+                     accumulate=args.accumulate, learning_rate=SPIKE_LEARNING_RATE,
+                     skip_spikes=skip_spikes, spike_at=SPIKE_AT)
+      results.append(dataclasses.replace(result, comparison="spike"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   # Checked before training, not found missing when the plot is drawn after it.
@@ -618,24 +647,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else ())
   total = (len(runs) * args.steps + len(rounding_runs) * args.rounding_steps
            + len(spike_runs) * args.spike_steps)
-  results = []
-  with progress_bar(total, sys.stderr) as progress:
-    for name, dtype in runs:
-      progress.set_description(f"{name} / {dtype}")
-      results.append(train(name, dtype, args.steps, args.seed, progress,
-                           accumulate=args.accumulate))
-    for name, dtype, rounding in rounding_runs:
-      progress.set_description(f"{name} / {dtype} {rounding}")
-      result = train(name, dtype, args.rounding_steps, args.seed, progress,
-                     accumulate=args.accumulate, learning_rate=ROUNDING_LEARNING_RATE,
-                     param_rounding=rounding if name == "safefactor" else None)
-      results.append(dataclasses.replace(result, comparison="rounding"))
-    for name, skip_spikes in spike_runs:
-      progress.set_description(f"{name} / a {SPIKE_FACTOR:g}x gradient")
-      result = train(name, "float32", args.spike_steps, args.seed, progress,
-                     accumulate=args.accumulate, learning_rate=SPIKE_LEARNING_RATE,
-                     skip_spikes=skip_spikes, spike_at=SPIKE_AT)
-      results.append(dataclasses.replace(result, comparison="spike"))
+  results: list[RunResult] = []
+  try:
+    _train_all(args, runs, rounding_runs, spike_runs, total, results)
+  except KeyboardInterrupt:
+    # Ctrl-C: the finished runs' rows, not a traceback through JAX's compiler; no plot.
+    if results:
+      print(results_table(results))
+    planned = len(runs) + len(rounding_runs) + len(spike_runs)
+    print(f"{PROG}: interrupted after {len(results)} of {plural(planned, 'run')}"
+          f"{': the table shows the finished ones' if results else ''}; no plot written",
+          file=sys.stderr)
+    return INTERRUPTED
   print(results_table(results))
   path = args.out / "loss_curves.png"
   plot(results, path)
