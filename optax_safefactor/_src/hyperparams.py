@@ -137,8 +137,10 @@ def in_range(field: str, value: Any) -> Any:
 _WHOLE_NUMBERS = frozenset({"decay_offset", "min_dim_size_to_factor"})
 
 
-def _as_number(name: str, value: Any, convert: str = "float") -> float | None:
-  """The value as a float, or ``None`` when it cannot be judged now (schedule, tracer)."""
+def as_number(name: str, value: Any, convert: str = "float") -> float | None:
+  """The value as a float, or ``None`` when it cannot be judged now (schedule, tracer); a
+  ``TypeError`` naming ``name`` for anything but a real scalar (a string, an array, a
+  switch, a complex number)."""
   if value is None or callable(value) or isinstance(value, jax.core.Tracer):
     return None
   if isinstance(value, str):
@@ -245,7 +247,7 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   for field, requirement, is_valid in _NUMBER_RULES:
     name = names.get(field, field)
     value = getattr(hyperparams, field)
-    number = _as_number(name, value, "int" if field in _WHOLE_NUMBERS else "float")
+    number = as_number(name, value, "int" if field in _WHOLE_NUMBERS else "float")
     if number is not None and not is_valid(number):
       raise ValueError(f"{name} must be {requirement}, got {value!r}")
   for name in ("factor_rules", "decay_rate_fn"):
@@ -300,8 +302,8 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
   unused = [write_back.unused_seed(hyperparams.param_rounding, hyperparams.rounding_seed,
                                    name("param_rounding"), name("rounding_seed"))]
   unused += _unused_by_switches(hyperparams, name)
-  low = _as_number(name("min_parameter_scale"), hyperparams.min_parameter_scale)
-  high = _as_number(name("max_parameter_scale"), hyperparams.max_parameter_scale)
+  low = as_number(name("min_parameter_scale"), hyperparams.min_parameter_scale)
+  high = as_number(name("max_parameter_scale"), hyperparams.max_parameter_scale)
   if (hyperparams.multiply_by_parameter_scale and low is not None and high is not None
       and low > high):
     # The maximum wins, as in T5X (whose preset passes epsilon2 as the minimum).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +14,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_safefactor._src import write_back
+from optax_safefactor._src import hyperparams, write_back
 from optax_safefactor._src.alias import safefactor
 from optax_safefactor._src.guard import skip_nonfinite
 
@@ -83,18 +84,17 @@ def check_number(preset: str, name: str, value: Any, requirement: str,
   if ((value is None and none_ok) or (callable(value) and schedule_ok)
       or isinstance(value, jax.core.Tracer)):
     return
-  array = None
-  if not isinstance(value, (str, bytes, bool, np.bool_)) and value is not None:
-    try:
-      array = np.asarray(value)
-    except (TypeError, ValueError):
-      array = None
-  if (array is None or array.ndim or array.dtype == np.bool_
-      or not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array)):
+  number = None
+  if value is not None and not callable(value) and not isinstance(value, bytes):
+    # safefactor's own parsing, with the preset's name and what the preset takes in the
+    # message rather than safefactor's.
+    with contextlib.suppress(TypeError):
+      number = hyperparams.as_number(name, value)
+  if number is None:
     kinds = "a number" + (" or a schedule" if schedule_ok else "") + (
         " (or None)" if none_ok else "")
     raise TypeError(f"presets.{preset}(): {name} must be {kinds}, got {value!r}")
-  if not rule(float(array)):
+  if not rule(number):
     raise ValueError(f"presets.{preset}(): {name} must be {requirement}, got {value!r}")
 
 
