@@ -166,6 +166,8 @@ def test_bench_runs_and_writes_json(tmp_path):
                                   "safefactor, unpacked", "safefactor, spikes")
       for config in ("default", "momentum")}
   for row in rows:
+    # On a GPU or TPU host these are that device's times: the rows say which ran them.
+    assert (row["backend"], row["device"]) == ("cpu", jax.devices()[0].device_kind)
     for key in ("step_ratio", "compile_ratio", "temp_bytes", "state_bytes", "roofline_fraction",
                 "bandwidth_fraction"):
       assert row[key] is not None and row[key] >= 0

@@ -115,6 +115,9 @@ def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[
     state = tx.init(params)
     compiled[key] = common.compile_step(common.train_step(tx), params, state, grads)
     rows[key] = {
+        # What ran it: "cpu" times the steps on JAX's default device, a GPU or TPU where
+        # this machine has one.
+        "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
         "tree": tree, "dtype": dtype_name, "optimizer": key[0], "config": key[1],
         "compile_s": compiled[key].compile_s, "temp_bytes": compiled[key].temp_bytes,
         "state_bytes": common.nbytes(state),
@@ -316,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
            "over these rounds; 3 or more to see the noise (5)")
   parser.add_argument(
       "--target", choices=sorted(targets.TARGETS), default="cpu", metavar="TARGET",
-      help="where to measure: cpu runs and times the steps on this machine; tpu-v5e, "
+      help="where to measure: cpu runs and times the steps on this machine, on JAX's "
+           "default device (its GPU or TPU where it has one: the log's first line and the "
+           "JSON rows name it); tpu-v5e, "
            "tpu-v6e, tpu-v5p, tpu-v4, h100 and a100 compile them for that accelerator "
            "without one and report the compiler's figures (memory traffic in passes over "
            "the params, temporaries, fusions, compile time), never run, with JAX on its CPU "

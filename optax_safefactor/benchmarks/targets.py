@@ -39,7 +39,7 @@ class Target(NamedTuple):
     name: the name on the command line.
     platform: JAX's platform name: ``cpu``, ``tpu`` or ``cuda``.
     topology: the TPU topology (``v5e:2x2``), or the GPU's description (a key of
-      :data:`GPUS`); ``None`` for this machine's CPU.
+      :data:`GPUS`); ``None`` for this machine's default device.
     label: how the benchmark's tables name it.
   """
 
@@ -50,7 +50,7 @@ class Target(NamedTuple):
 
 
 TARGETS: dict[str, Target] = {target.name: target for target in (
-    Target("cpu", "cpu", None, "this machine's CPU (measured)"),
+    Target("cpu", "cpu", None, "this machine's default device (measured)"),
     Target("tpu-v5e", "tpu", "v5e:2x2", "TPU v5e (compiled only)"),
     Target("tpu-v6e", "tpu", "v6e:2x2", "TPU v6e (compiled only)"),
     Target("tpu-v5p", "tpu", "v5p:2x2x1", "TPU v5p (compiled only)"),
