@@ -11,6 +11,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
@@ -54,10 +55,15 @@ def main(process_id: int, num_processes: int, port: int, output: str) -> None:
   spikes = int(osf.skipped_spikes(state).addressable_data(0))
   if process_id == 0:
     np.savez(output, skipped=skipped, spikes=spikes,
-             **{k: np.asarray(v) for k, v in gathered.items()})
+             **{k: saved(np.asarray(v)) for k, v in gathered.items()})
   with open(f"{output}.stop{process_id}.txt", "w") as stop:
     stop.write(_stop_message(mesh, global_array, params_np, grads_np))
   jax.distributed.shutdown()
+
+
+def saved(array: np.ndarray) -> np.ndarray:
+  """``array`` as np.savez keeps it: a bfloat16 array as its bits (uint16)."""
+  return array.view(np.uint16) if array.dtype == ml_dtypes.bfloat16 else array
 
 
 def _stop_message(mesh, global_array, params_np, grads_np) -> str:

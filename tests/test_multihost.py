@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 import optax_safefactor as osf
 from tests.helpers import assert_trees_close
-from tests.sharded_problem import SPECS, STEPS, host_arrays, make_optimizer
+from tests.sharded_problem import NARROW, SPECS, STEPS, host_arrays, make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -72,7 +72,12 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
       params = optax.apply_updates(params, updates)
   assert int(result["skipped"]) == int(osf.skipped_steps(state)) == 2
   assert int(result["spikes"]) == int(osf.skipped_spikes(state)) == 1
-  assert_trees_close({k: result[k] for k in SPECS}, jax.tree.map(np.asarray, params), rtol=1e-6)
+  wide = [k for k in SPECS if k != NARROW]
+  assert_trees_close({k: result[k] for k in wide}, {k: np.asarray(params[k]) for k in wide},
+                     rtol=1e-6)
+  # The stochastic write-back's bits depend on each element's global index, not on the
+  # process that holds it: the bfloat16 leaf is the one process's, bit for bit.
+  np.testing.assert_array_equal(result[NARROW], np.asarray(params[NARROW]).view(np.uint16))
   # max_consecutive_skips stops every process: its callback ran on one device of the
   # program, so only process 0 raised and process 1 stepped on, to wait in the next
   # collective for ever.
