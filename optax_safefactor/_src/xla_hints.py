@@ -6,9 +6,9 @@ each names the compilers on which it was measured to pay (:data:`MEASURED_ON_CPU
 applied only there.
 Elsewhere the helper is the plain computation it stands for, so that on XLA:TPU the step is
 the algorithm as written (with one barrier between units in an unguarded step), and on
-XLA:GPU it keeps two barriers, on the scale factors and on stochastic rounding's keys
-(docs/benchmarks.md, "Accelerator compilers": the CPU's hints cost the TPU program 13-18%
-more memory traffic).
+XLA:GPU it keeps four barriers, on the scale factors, on stochastic rounding's keys, on the
+step's scalars and on the leaves' finite flags (docs/benchmarks.md, "Accelerator
+compilers": the CPU's hints cost the TPU program 13-18% more memory traffic).
 
 The choice is made when the program is lowered for a platform, not when it is traced: a
 step traced on a CPU host and compiled for a TPU (ahead of time, or by
