@@ -433,3 +433,5 @@ def test_the_bench_takes_compile_times_from_fresh_processes(tmp_path):
   assert "| tpu-v5e | gpt2-small" in result.stdout
   assert "Note:" not in result.stdout  # its large layers are factored at 0.2
   assert result.stderr.count("process 2: tpu-v5e gpt2-small float32") == 1
+  # As on the CPU, the run ends naming the file it wrote.
+  assert result.stdout.rstrip().endswith(f"json: {out}"), result.stdout[-500:]

@@ -346,9 +346,25 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def parse_args(parser: argparse.ArgumentParser,
+               argv: Sequence[str] | None) -> argparse.Namespace:
+  """The command line's arguments, each tree, dtype and configuration named once.
+
+  >>> parse_args(build_parser(), ["--trees", "vit-b16", "vit-b16", "--dtypes", "float32"]).trees
+  ['vit-b16']
+  """
+  args = parser.parse_args(argv)
+  # A name given twice would be measured twice: on an accelerator target, minutes of
+  # compiling for rows already printed.
+  for name in ("trees", "dtypes", "configs"):
+    if getattr(args, name) is not None:
+      setattr(args, name, list(dict.fromkeys(getattr(args, name))))
+  return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
-  args = parser.parse_args(argv)
+  args = parse_args(parser, argv)
   if args.json is not None:
     problem = common.json_problem(args.json)
     if problem is not None:
@@ -432,6 +448,8 @@ def _main_compiled(parser: argparse.ArgumentParser, args: argparse.Namespace,
         args.json.write_text(json.dumps(rows, indent=2))
   print()
   print(compiled.legend(rows))
+  if args.json is not None:
+    print(f"json: {args.json}")
   return 0
 
 
