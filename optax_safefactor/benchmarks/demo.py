@@ -165,7 +165,8 @@ SPIKE_MEAN = 10
 # its time; compiling, the other half). optax's float16 params are NaN from the first step
 # and its bfloat16 curve is safefactor's; the write-back curves part at once
 # (over the last 20 of 60 steps, round-to-nearest's loss 18% above float32 params',
-# stochastic and Kahan within 0.1%: the README's table); optax.adafactor falls behind over some 80 steps after the spike.
+# stochastic and Kahan within 0.1%: the README's table); optax.adafactor falls behind
+# over some 80 steps after the spike.
 STEPS = 50
 ROUNDING_STEPS = 60
 SPIKE_STEPS = 180
