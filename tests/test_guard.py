@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
+from optax_safefactor._src import guard
 from tests.helpers import assert_trees_bitwise_equal, assert_trees_equal, run_steps
 
 
@@ -107,6 +108,22 @@ def test_an_injected_bound_stops_the_run_as_a_static_one_does(jit):
   error = jax.errors.JaxRuntimeError if jit else osf.NonFiniteStepsError
   with pytest.raises(error, match=r"3 consecutive optimizer steps.*params\['a'\]"):
     jax.block_until_ready(update(grads(3), state, params))
+
+
+def test_a_sharded_step_over_its_bound_calls_the_host_once(monkeypatch):
+  # In one process the host callback runs once per step, not once per device of a mesh
+  # (which logged the error once per device): only several processes partition it, so
+  # that each of them stops (tests/test_multihost.py).
+  calls = []
+  monkeypatch.setattr(guard, "_raise_if_over", lambda *flags, **names: calls.append(flags))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  params = {"w": jax.device_put(jnp.ones((64, 256)), sharding)}
+  grads = {"w": jax.device_put(jnp.full((64, 256), jnp.nan), sharding)}
+  tx = osf.safefactor(0.1, max_consecutive_skips=1)
+  jax.block_until_ready(jax.jit(tx.update)(grads, tx.init(params), params))
+  jax.effects_barrier()
+  assert len(calls) == 1
 
 
 def test_a_guard_over_an_empty_tree_with_a_bound_steps():
