@@ -93,6 +93,8 @@ def test_safefactor_names_the_bad_argument(kwargs, error, message):
 @pytest.mark.parametrize("kwargs,error,message", [
     # The building block's own argument names, not safefactor's (it said "eps").
     ({"epsilon": "1e-30"}, TypeError, r"^epsilon must be a number.*epsilon=float\('1e-30'\)"),
+    # Bytes were parsed where the string is refused.
+    ({"epsilon": b"1e-30"}, TypeError, r"^epsilon must be a number.*epsilon=float\(b'1e-30'\)"),
     ({"epsilon": -1.0}, ValueError, r"^epsilon must be non-negative"),
     ({"step_offset": "3"}, TypeError, r"^step_offset .*step_offset=int\('3'\)"),
     ({"decay_rate_fn": 0.8}, TypeError, r"^decay_rate_fn must be a function"),

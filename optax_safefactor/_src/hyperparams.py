@@ -143,9 +143,10 @@ def as_number(name: str, value: Any, convert: str = "float") -> float | None:
   switch, a complex number)."""
   if value is None or callable(value) or isinstance(value, jax.core.Tracer):
     return None
-  if isinstance(value, str):
+  if isinstance(value, (str, bytes)):
     # YAML and command lines hand numbers over as strings; refuse them by name here
-    # rather than failing deep inside the step.
+    # rather than failing deep inside the step. Bytes (a file read in binary mode) too:
+    # NumPy parsed b"0.1" as 0.1 where "0.1" is refused.
     raise TypeError(
         f"{name} must be a number, an array or a schedule, got the string {value!r}; "
         f"convert it first, e.g. {name}={convert}({value!r})"

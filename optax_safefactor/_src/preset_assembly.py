@@ -85,7 +85,7 @@ def check_number(preset: str, name: str, value: Any, requirement: str,
       or isinstance(value, jax.core.Tracer)):
     return
   number = None
-  if value is not None and not callable(value) and not isinstance(value, bytes):
+  if value is not None and not callable(value):
     # safefactor's own parsing, with the preset's name and what the preset takes in the
     # message rather than safefactor's.
     with contextlib.suppress(TypeError):
