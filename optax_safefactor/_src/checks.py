@@ -369,6 +369,23 @@ def check_positive_int(value: Any, name: str, *, none_ok: bool = False, meaning:
     raise ValueError(f"{name} must be {allowed}, got {value!r}{meaning}")
 
 
+def traced_shape_setting(name: str, decides: str) -> TypeError:
+  """The error for ``name``, a setting that decides the state's shapes, found traced: under
+  ``optax.inject_hyperparams`` it arrives as an array, traced under ``jax.jit`` and
+  ``jax.eval_shape`` (a checkpoint's restore target), where ``int()`` of it failed with
+  JAX's bare ``ConcretizationTypeError``, naming no setting.
+
+  >>> raise traced_shape_setting("spike_window", "the spike history's length")
+  Traceback (most recent call last):
+  ...
+  TypeError: spike_window is traced; it decides the spike history's length, so give it ...
+  """
+  return TypeError(
+      f"{name} is traced; it decides {decides}, so give it as a Python int (with "
+      f"optax.inject_hyperparams pass static_args=({name!r},) or call init outside "
+      "jax.jit and jax.eval_shape)")
+
+
 def check_update_against_state(grads: Any, params: Any | None, moments: Any,
                                moment_types: tuple[type, ...]) -> None:
   """:func:`check_update_inputs`, then the grads against the state's per-leaf moments

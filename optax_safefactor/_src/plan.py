@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from optax_safefactor._src import placement
+from optax_safefactor._src import checks, placement
 
 ROLES = ("row", "column", "batch", "none")
 
@@ -188,11 +188,8 @@ class Planner:
         # every update; the size threshold only decides *whether* to factor, which the
         # state that init made records.
         return 0 if factored_in_state else math.inf
-      raise TypeError(
-          "min_dim_size_to_factor is traced; it decides state shapes, so give it as a "
-          "Python int (with optax.inject_hyperparams pass "
-          "static_args=('min_dim_size_to_factor',) or call init outside jax.jit)"
-      )
+      raise checks.traced_shape_setting("min_dim_size_to_factor",
+                                        "which leaves are factored (the state's shapes)")
     return int(self._min_dim_size_to_factor)
 
   def __call__(

@@ -94,13 +94,7 @@ def init_history(window: Any) -> SpikeHistory:
   a jitted step may donate the state.
   """
   if isinstance(window, jax.core.Tracer):
-    # optax.inject_hyperparams hands the window over as an array, traced under
-    # jax.eval_shape (a checkpoint's restore target) or jax.jit; int() of it failed with
-    # JAX's bare ConcretizationTypeError, naming no setting.
-    raise TypeError(
-        "spike_window is traced; it sets the state's shape (the spike history's length), so "
-        "give it as a Python int (with optax.inject_hyperparams pass "
-        "static_args=('spike_window',) or call init outside jax.jit and jax.eval_shape)")
+    raise checks.traced_shape_setting("spike_window", "the spike history's length")
   window = int(window)
 
   def counter(value):
