@@ -80,6 +80,26 @@ def test_beta2_cap_and_custom_decay_fn():
   np.testing.assert_allclose(state.second_moment["v"].v, 16.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("count, step_offset", [(0, -2**31), (2**31 - 10, -1000),
+                                                (2**31 - 1, -1)])
+def test_a_negative_step_offset_near_int32s_end_keeps_the_history(count, step_offset):
+  # count - step_offset wrapped in int32 to a negative step, clamped to 0: beta2 fell to
+  # the first step's 0 and the statistics were replaced by this step's g**2 (4 here
+  # instead of about 1), at every step for -2**31. The local step saturates instead.
+  tx = osf.scale_by_safe_factored_rms(step_offset=step_offset)
+  params = {"w": jnp.zeros((130, 140)), "b": jnp.zeros((5,))}
+  state = tx.init(params)
+  state = state._replace(count=jnp.int32(count),
+                         second_moment=jax.tree.map(jnp.ones_like, state.second_moment))
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0), params)
+  _, state = tx.update(grads, state, params)
+  reference = ReferenceAdafactor(decay_offset=step_offset, count=count)
+  beta2 = reference.beta2()
+  assert 1 - beta2 < 1e-7  # the local step is past 2**31 - 1 in the reference's ints
+  for leaf in jax.tree.leaves(state.second_moment):
+    np.testing.assert_allclose(leaf, beta2 + (1 - beta2) * (4 + 1e-30), rtol=1e-6)
+
+
 def test_matches_optax_scale_by_factored_rms(rng):
   shapes = {"a": (300, 140), "b": (140, 300), "c": (2, 130, 128), "d": (9,)}
   params = random_tree(rng, shapes)

@@ -36,11 +36,10 @@ def second_moment_decay(
   r""":math:`\beta_t = \min(\mathrm{decay}(\max(t - t_0, 0)), \beta_{\max})` in ``dtype``.
 
   The local step :math:`t - t_0` is clamped at 0: with a large offset the power
-  schedule would otherwise raise a negative base to a fractional power (NaN).
+  schedule would otherwise raise a negative base to a fractional power (NaN). It
+  saturates at int32's largest value, as the count does.
   """
-  local_step = jnp.maximum(
-      jnp.asarray(count, jnp.int32) - jnp.asarray(decay_offset, jnp.int32), 0
-  )
+  local_step = _local_step(count, decay_offset)
   if decay_rate_fn is None:
     beta2 = power_decay(local_step, decay_rate, dtype)
   else:
@@ -50,6 +49,21 @@ def second_moment_decay(
     beta2 = jnp.minimum(beta2, jnp.asarray(beta2_cap, dtype))
   return beta2
 
+
+def _local_step(count: jax.Array, offset: jax.typing.ArrayLike) -> jax.Array:
+  """``count - offset`` in int32, clamped to ``[0, 2**31 - 1]``.
+
+  A negative offset (a schedule resumed further on) takes the difference past int32's
+  largest value once the count is within ``|offset|`` of it (for ``-2**31``, at every
+  count), where int32 wraps it to a negative step, clamped to 0: beta2 would fall back
+  to the first step's, 0, and the statistics would forget their whole history.
+  """
+  count = jnp.asarray(count, jnp.int32)
+  offset = jnp.asarray(offset, jnp.int32)
+  largest = jnp.iinfo(jnp.int32).max
+  # largest + min(offset, 0) does not wrap: the offset is at least -2**31.
+  past_largest = count > largest + jnp.minimum(offset, 0)
+  return jnp.where(past_largest, largest, jnp.maximum(count - offset, 0))
 
 
 class Decay(NamedTuple):
