@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 
 from optax_safefactor.benchmarks import rounding
@@ -19,6 +20,8 @@ def test_small_run_reports_cost_and_memory(tmp_path, capsys):
   assert set(cost) == set(rounding.MODES)
   n_params = cost["nearest"]["params"]
   for row in cost.values():
+    # On a GPU or TPU host these are that device's times: the rows say which ran them.
+    assert (row["backend"], row["device"]) == ("cpu", jax.devices()[0].device_kind)
     assert len(row["step_s_rounds"]) == row["repetitions"] == 2
     # Up to the last bit: the median ratio and the range are divided in different orders.
     low, high = row["step_ratio_min"] * (1 - 1e-12), row["step_ratio_max"] * (1 + 1e-12)

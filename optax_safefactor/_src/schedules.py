@@ -37,9 +37,17 @@ def second_moment_decay(
 
   The local step :math:`t - t_0` is clamped at 0: with a large offset the power
   schedule would otherwise raise a negative base to a fractional power (NaN). It
-  saturates at int32's largest value, as the count does.
+  saturates at int32's largest value, as the count does: a negative offset (a schedule
+  resumed further on) takes the difference past it once the count is within ``|t_0|`` of
+  it (for ``-2**31``, at every count), where int32 would wrap it to a negative step,
+  clamped to 0, and beta2 would fall back to the first step's 0, forgetting the history.
   """
-  local_step = _local_step(count, decay_offset)
+  count = jnp.asarray(count, jnp.int32)
+  offset = jnp.asarray(decay_offset, jnp.int32)
+  largest = jnp.iinfo(jnp.int32).max
+  # largest + min(offset, 0) does not wrap: the offset is at least -2**31.
+  local_step = jnp.where(count > largest + jnp.minimum(offset, 0), largest,
+                         jnp.maximum(count - offset, 0))
   if decay_rate_fn is None:
     beta2 = power_decay(local_step, decay_rate, dtype)
   else:
@@ -48,22 +56,6 @@ def second_moment_decay(
   if beta2_cap is not None:
     beta2 = jnp.minimum(beta2, jnp.asarray(beta2_cap, dtype))
   return beta2
-
-
-def _local_step(count: jax.Array, offset: jax.typing.ArrayLike) -> jax.Array:
-  """``count - offset`` in int32, clamped to ``[0, 2**31 - 1]``.
-
-  A negative offset (a schedule resumed further on) takes the difference past int32's
-  largest value once the count is within ``|offset|`` of it (for ``-2**31``, at every
-  count), where int32 wraps it to a negative step, clamped to 0: beta2 would fall back
-  to the first step's, 0, and the statistics would forget their whole history.
-  """
-  count = jnp.asarray(count, jnp.int32)
-  offset = jnp.asarray(offset, jnp.int32)
-  largest = jnp.iinfo(jnp.int32).max
-  # largest + min(offset, 0) does not wrap: the offset is at least -2**31.
-  past_largest = count > largest + jnp.minimum(offset, 0)
-  return jnp.where(past_largest, largest, jnp.maximum(count - offset, 0))
 
 
 class Decay(NamedTuple):

@@ -115,9 +115,7 @@ def measure(tree: str, dtype_name: str, scale: float, repetitions: int) -> list[
     state = tx.init(params)
     compiled[key] = common.compile_step(common.train_step(tx), params, state, grads)
     rows[key] = {
-        # What ran it: "cpu" times the steps on JAX's default device, a GPU or TPU where
-        # this machine has one.
-        "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+        **common.measured_on(),
         "tree": tree, "dtype": dtype_name, "optimizer": key[0], "config": key[1],
         "compile_s": compiled[key].compile_s, "temp_bytes": compiled[key].temp_bytes,
         "state_bytes": common.nbytes(state),

@@ -179,6 +179,12 @@ def count(tree) -> int:
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
+def measured_on() -> dict[str, str]:
+  """Which device ran a row's times: "cpu" is JAX's default device, a GPU or TPU where the
+  machine has one. Every JSON row of a measured benchmark carries it."""
+  return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+
+
 def backend_summary() -> str:
   """The versions and the devices a run measured, for its log."""
   return (f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "

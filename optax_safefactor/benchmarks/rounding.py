@@ -57,6 +57,7 @@ def measure(tree: str, scale: float, repetitions: int, config: str) -> list[dict
     state = tx.init(params)
     compiled[mode] = common.compile_step(common.train_step(tx), params, state, grads)
     rows[mode] = {
+        **common.measured_on(),
         "tree": tree, "scale": scale, "config": config, "mode": mode, "params": n_params,
         "leaves": len(jax.tree.leaves(params)), "compile_s": compiled[mode].compile_s,
         "temp_bytes": compiled[mode].temp_bytes, "state_bytes": common.nbytes(state),
