@@ -107,7 +107,11 @@ def safefactor(
       65504, float16's largest value (on the first step, a mean of squared gradients
       over a row or column of 256**2: gradients of 256 throughout it; later steps weigh
       the new squares by ``1 - beta2``, so the bound grows with the step), and each such
-      step is skipped as non-finite: ``"bfloat16"`` halves the state with float32's range.
+      step is skipped as non-finite: ``"bfloat16"`` halves the state with float32's range,
+      but rounded to nearest its statistics move by whole ulps: once ``1 - beta2`` is
+      below half of bfloat16's ulp (2**-9, after about 2,400 steps at the default
+      ``decay_rate``) they can no longer fall. ``param_rounding="stochastic"`` writes
+      them stochastically, which keeps them unbiased.
     beta2_cap: an upper bound on beta2, as big_vision's 0.999; ``None`` for none.
     min_parameter_scale: the smallest parameter scale (``optax``'s 1e-3).
     max_parameter_scale: the largest parameter scale, or ``None``. Below
@@ -271,7 +275,8 @@ def scale_by_safe_factored_rms(
       (never below the compute dtype's smallest normal).
     decay_rate_fn: ``(step, decay_rate) -> beta2``; ``None`` for the power decay.
     state_dtype: dtype (or its name) of the statistics; ``None`` for float32 (float64 for
-      float64 parameters).
+      float64 parameters). Narrower statistics are rounded to nearest here, as
+      :func:`safefactor`'s ``state_dtype`` says.
     beta2_cap: an upper bound on beta2 (0.999 in big_vision), or ``None``.
     factor_rules: per-axis roles, as for :func:`safefactor`.
     skip_nonfinite_steps: skip and count non-finite steps inside this transformation,
