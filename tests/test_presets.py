@@ -309,6 +309,10 @@ def test_big_vision_decays_kernels_only_by_default():
   updates, _ = tx.update(grads, tx.init(params), params)
   np.testing.assert_allclose(updates["dense"]["kernel"], -0.5)
   np.testing.assert_allclose(updates["dense"]["bias"], 0.0)
+  # big_vision's config.wd is 0 unless set: no kernel decays then.
+  tx = osf.presets.big_vision(1.0, momentum=None)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["dense"]["kernel"], 0.0)
 
 
 def test_big_vision_skips_a_nonfinite_step_as_a_whole():

@@ -236,10 +236,13 @@ def test_guard_arguments_reach_the_guard(preset, spike_window, skip_spikes,
 def test_t5x_applies_the_rule_of_a_leaf_above_rank_2_without_batch_axes():
   """T5X ignores the factor rule of a matrix without batch axes, not of a rank-3 leaf: a
   rule that factors other axes than the heuristic's is followed there."""
-  params = {"w": jnp.ones((3, 40, 48)), "m": jnp.ones((40, 48))}
-  factor_map = [("w", ("row", "none", "column")), ("m", ("column", "row"))]
+  params = {"w": jnp.ones((3, 40, 48)), "m": jnp.ones((40, 48)), "b": jnp.ones((48,))}
+  factor_map = [("w", ("row", "none", "column")), ("m", ("column", "row")), ("b", ("row",))]
   state = osf.presets.t5x(1e-2, min_dim_size_to_factor=4, factor_map=factor_map).init(params)
   moments = state.inner_state.second_moment
   assert (moments["w"].v_row.shape, moments["w"].v_col.shape) == ((3, 40, 1), (1, 40, 48))
   # The matrix's rule is ignored: the heuristic's rows (40) and columns (48).
   assert (moments["m"].v_row.shape, moments["m"].v_col.shape) == ((40, 1), (1, 48))
+  # So is a vector's (rank 2 and below): a row without a column, which safefactor's own
+  # factor_rules refuses, leaves it unfactored as the heuristic does.
+  assert moments["b"].v.shape == (48,)
