@@ -68,6 +68,18 @@ class _SecondMoment:
     return g * (self.row / normaliser) ** -0.5 * self.col ** -0.5
 
 
+def _decay_of(momentum: float, dtype) -> float:
+  """What ``momentum * m`` multiplies a momentum ``m`` stored in ``dtype`` by.
+
+  Both sources write the decay of the stored momentum as a Python float times it, and
+  JAX gives a Python scalar the array's dtype: with bfloat16 momentum 0.9 decays by
+  0.8984375, while the new term still enters with ``1 - 0.9`` in the update's dtype.
+  (Whether the product is then rounded to ``dtype`` too is left to XLA's excess
+  precision; that rounding is left out here.)
+  """
+  return float(np.asarray(momentum, np.float64).astype(dtype))
+
+
 def _rms(x: np.ndarray, keep_axes=()) -> np.ndarray:
   axes = tuple(a for a in range(x.ndim) if a not in keep_axes)
   return np.sqrt(np.mean(x * x, axis=axes, keepdims=True))
@@ -79,7 +91,8 @@ class BigVisionAdafactor:
 
   ``learning_rate`` is ``config.lr``, ``schedule`` ``config.schedule`` (``None``: 1),
   ``wd`` ``config.wd`` on the leaves ``wd_mask`` names. The momentum is stored in
-  ``momentum_dtype``, rounded from ``compute_dtype`` (float32 when the run is).
+  ``momentum_dtype``, rounded from ``compute_dtype`` (float32 when the run is), and
+  decays by ``momentum`` as that dtype holds it (optax's ``ema``: ``decay * ema``).
   """
 
   learning_rate: float
@@ -114,7 +127,8 @@ class BigVisionAdafactor:
       if self.clipping_threshold:
         u = u / np.maximum(1.0, _rms(u) / self.clipping_threshold)
       if self.momentum:
-        u = (1 - self.momentum) * u + self.momentum * self.ema[name]
+        u = ((1 - self.momentum) * u
+             + _decay_of(self.momentum, self.momentum_dtype) * self.ema[name])
         self.ema[name] = _stored(u, self.momentum_dtype, self.compute_dtype)
       u = self.learning_rate * u
       if self.wd and self.wd_mask.get(name, False):
@@ -127,7 +141,8 @@ class BigVisionAdafactor:
 @dataclass
 class T5XAdafactor:
   """T5X's ``Adafactor`` for one flat dict; ``plans`` gives a leaf's plan (``"heuristic"``
-  for T5X's default rule), the batch axes are separate slices."""
+  for T5X's default rule), the batch axes are separate slices. The momentum decays by
+  ``beta1`` as ``momentum_dtype`` holds it (T5X's ``beta1 * state.m``)."""
 
   learning_rate: float
   plans: dict = field(default_factory=dict)
@@ -182,7 +197,8 @@ class T5XAdafactor:
         y = y / np.maximum(1.0, _rms(y, batch) / self.clipping_threshold)
       subtrahend = step_size * y
       if self.beta1 is not None:
-        subtrahend = self.beta1 * self.m[name] + (1 - self.beta1) * subtrahend
+        subtrahend = (_decay_of(self.beta1, self.momentum_dtype) * self.m[name]
+                      + (1 - self.beta1) * subtrahend)
         self.m[name] = _stored(subtrahend, self.momentum_dtype, self.compute_dtype)
       if self.weight_decay_rate is not None:
         subtrahend = subtrahend + self.weight_decay_rate * p

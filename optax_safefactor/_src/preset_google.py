@@ -9,11 +9,55 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import DTypeLike
 
-from optax_safefactor._src import plan, preset_assembly
+from optax_safefactor._src import numerics, plan, preset_assembly
 from optax_safefactor._src.preset_assembly import Schedule
+
+# Both ------------------------------------------------------------------------------------
+
+
+def _momentum_as_stored(momentum: Any, dtype_momentum: Any) -> tuple[Any, Any]:
+  """The momentum's decay as big_vision and T5X apply it, and a factor for the update.
+
+  Both decay the stored momentum by a Python float times it (optax's ``decay * ema``,
+  T5X's ``beta1 * state.m``), and JAX gives a Python scalar the array's dtype: with
+  bfloat16 momentum, 0.9 decays it by 0.8984375 while the new update still enters with
+  ``1 - 0.9``, and their first moment settles about 1.5% below the update. safefactor
+  blends ``(1 - b) u + b m`` with one ``b``: with ``b`` the rounded momentum and ``u``
+  scaled by ``(1 - momentum) / (1 - b)`` first (through safefactor's learning rate,
+  which comes before the blend), that is their blend, and its momentum is theirs.
+
+  An array (``optax.inject_hyperparams`` hands over even the defaults as arrays) is
+  rounded too, so that injecting the learning rate leaves the momentum as it was.
+  Left as it is: a momentum in the params' dtype (``None``, ``"at_least_float32"``:
+  unknown here), and one the dtype rounds to 1 (theirs then never decays, which
+  safefactor refuses).
+
+  Returns:
+    ``(b, factor)``; ``(momentum, 1.0)`` for a number where nothing is rounded.
+  """
+  if momentum is None or dtype_momentum in (None, numerics.AT_LEAST_FLOAT32):
+    return momentum, 1.0
+  try:
+    real = jnp.finfo(dtype_momentum).dtype
+  except (TypeError, ValueError):
+    return momentum, 1.0  # not a float dtype: safefactor's checks name it
+  if isinstance(momentum, (jax.Array, jax.core.Tracer)):
+    if not jnp.issubdtype(momentum.dtype, jnp.floating):
+      return momentum, 1.0
+    # Traced in update: the same steps in init and update build the same chain.
+    rounded = momentum.astype(real).astype(momentum.dtype)
+    decay = jnp.where(rounded < 1, rounded, momentum)
+    return decay, jnp.where(decay == momentum, 1.0, (1 - momentum) / (1 - decay))
+  decay = float(np.asarray(momentum, np.float64).astype(real))
+  if decay == momentum or decay >= 1:
+    return momentum, 1.0
+  return decay, (1 - momentum) / (1 - decay)
+
 
 # big_vision ----------------------------------------------------------------------------
 
@@ -49,17 +93,22 @@ def big_vision(
 
   big_vision chains its ``scale_by_adafactor`` (optax's factored RMS with
   :math:`\beta_t = \min(\text{beta2\_cap}, 1 - (t+1)^{-\text{decay\_rate}})`, optional
-  clipping, then momentum without debiasing, stored in bfloat16), its ``config.lr``
+  clipping, then momentum without debiasing, stored in bfloat16 and decaying by the
+  momentum as bfloat16 holds it: optax's ``decay * ema`` rounds the Python float 0.9 to
+  0.8984375, while the new term keeps ``1 - 0.9``), its ``config.lr``
   (``learning_rate``), its decoupled weight decay ``config.wd`` on the leaves its
   ``wd_mults`` pick (by default ``.*/kernel``), and its ``config.schedule``, a multiplier
   of both (``schedule``, a function of the 0-based step, or ``None`` for 1):
 
   .. math::
     \Delta_t = -\,\mathrm{schedule}(t)\,\big(\text{lr}\cdot m_t + \text{wd}\cdot p\big),
-    \qquad m_t = \beta_1 m_{t-1} + (1-\beta_1)\,\mathrm{clip}(g/\sqrt{\hat v}).
+    \qquad m_t = \tilde\beta_1 m_{t-1} + (1-\beta_1)\,\mathrm{clip}(g/\sqrt{\hat v}),
 
-  The preset is that chain, with ``safefactor`` (no learning rate, no parameter scale)
-  in place of ``scale_by_adafactor``; the non-finite guard judges the whole chain.
+  with :math:`\tilde\beta_1` the momentum rounded to ``dtype_momentum``. The preset is
+  that chain, with ``safefactor`` (no parameter scale; momentum :math:`\tilde\beta_1`,
+  and a learning rate of :math:`(1-\beta_1)/(1-\tilde\beta_1)` that puts big_vision's
+  new term back) in place of ``scale_by_adafactor``; the non-finite guard judges the
+  whole chain.
   ``weight_decay_mask`` (an override) replaces the ``.*/kernel`` rule (with ``wd`` 0 it
   has no effect, and a warning says so).
 
@@ -69,8 +118,10 @@ def big_vision(
   differ by at most 4.8e-16 (float64) and 2.2e-7 (float32, float32 momentum) of the
   leaf's largest update, beyond one ulp of the param. With bfloat16 momentum in float32,
   a blend that float32 rounding puts on the other side of a bfloat16 tie is stored one
-  bfloat16 ulp away from the float64 blend's (measured: 1.4e-3 of the largest update, on
-  one element); big_vision's own float32 blend is open to the same tie.
+  bfloat16 ulp away from the float64 blend's (measured: 1.2e-3 of the largest update, on
+  one element); big_vision's own float32 blend is open to the same tie. A float16
+  momentum's product :math:`\tilde\beta_1 m` XLA:CPU rounds to float16 in big_vision's
+  step (a bfloat16 one it keeps in float32), the preset does not.
 
   Differences by design: before ``decay_offset`` big_vision's :math:`\beta_2` raises a
   negative number to a fractional power (NaN for ever); the preset clamps the local step
@@ -135,10 +186,12 @@ def big_vision(
   if not decays and mask is not _big_vision_wd_mask:
     warnings.warn("presets.big_vision(): weight_decay_mask says which params wd decays, and "
                   "wd is 0: it has no effect", UserWarning, stacklevel=2)
+  momentum, factor = _momentum_as_stored(_none_if_zero(momentum), dtype_momentum)
   settings = dict(
-      learning_rate=None, min_dim_size_to_factor=min_dim_size_to_factor,
+      learning_rate=None if isinstance(factor, float) and factor == 1 else factor,
+      min_dim_size_to_factor=min_dim_size_to_factor,
       decay_rate=decay_rate, decay_offset=decay_offset, beta2_cap=beta2_cap,
-      clipping_threshold=_none_if_zero(clipping_threshold), momentum=_none_if_zero(momentum),
+      clipping_threshold=_none_if_zero(clipping_threshold), momentum=momentum,
       dtype_momentum=dtype_momentum, eps=eps, multiply_by_parameter_scale=False)
   # safefactor's update is -m_t; big_vision's chain is lr, + wd * p, schedule, then -1.
   after = [optax.scale_by_learning_rate(learning_rate, flip_sign=False)]
@@ -258,7 +311,11 @@ def t5x(
   decay ``p *= 1 - weight_decay_rate`` (times ``learning_rate **
   weight_decay_rate_lr_exponent`` when that is set), all in float32. The arguments map
   one to one onto ``safefactor``'s; ``global_norm_clip_threshold`` becomes
-  ``optax.clip_by_global_norm`` before it.
+  ``optax.clip_by_global_norm`` before it. T5X's ``beta1 * state.m`` decays the stored
+  momentum by ``beta1`` rounded to ``dtype_momentum`` (JAX gives the Python float the
+  array's dtype: 0.9 is 0.8984375 in bfloat16), while the new term keeps ``1 - beta1``;
+  the preset passes safefactor the rounded ``beta1`` and scales its learning rate by
+  ``(1 - beta1) / (1 - rounded)``, which is T5X's blend, as the big_vision preset does.
 
   Factor rules: T5X's ``FactorDim`` ``ROW``, ``COLUMN``, ``BATCH`` and ``NONE`` are
   safefactor's roles ``"row"``, ``"column"``, ``"batch"`` and ``"none"`` (a ``BATCH``
@@ -390,6 +447,10 @@ def t5x(
     weight_decay_rate = (
         (lambda count: base * learning_rate(count) ** exponent) if callable(learning_rate)
         else base * learning_rate ** exponent)
+  beta1, factor = _momentum_as_stored(beta1, dtype_momentum)
+  if not (isinstance(factor, float) and factor == 1):
+    lr = learning_rate
+    learning_rate = (lambda count: factor * lr(count)) if callable(lr) else factor * lr
   settings = dict(
       learning_rate=learning_rate, factored=factored,
       multiply_by_parameter_scale=multiply_by_parameter_scale, momentum=beta1,
