@@ -345,6 +345,8 @@ def t5x(
   heuristic). ``skip_nan_updates`` (T5X keeps the old value of each NaN element) is not
   taken: safefactor skips a non-finite step as a whole (on by default).
   ``multiply_by_parameter_scale`` is a bool (an ``HParamMap`` of bools is refused).
+  T5X casts every gradient to float32 and keeps float32 statistics; for float64 params
+  the preset, like safefactor, computes and keeps them in float64.
 
   Example:
     >>> import jax.numpy as jnp
