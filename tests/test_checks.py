@@ -161,6 +161,9 @@ def test_learning_rate_given_as_a_string_is_named():
 def test_python_float_leaf_is_named():
   with pytest.raises(TypeError, match=r"params\['scale'\]: param is a float"):
     osf.safefactor(0.1).init({"w": jnp.ones(3), "scale": 1.0})
+  # The dtype itself where a value of it was meant: it has a dtype and no shape.
+  with pytest.raises(TypeError, match=r"params\['scale'\]: param is a .* not an array"):
+    osf.safefactor(0.1).init({"w": jnp.ones(3), "scale": jnp.float32})
 
 
 def test_migrating_a_state_restored_without_target_says_what_to_do():
