@@ -361,6 +361,22 @@ def test_t5x_matches_its_restatement(config, dtype):
   assert _largest_difference(ours, _run_reference(reference, params, grads)) <= BOUND[dtype]
 
 
+@pytest.mark.parametrize("rule, plan", [
+    (("batch", "row", "none"), ((1,), (), (0,))), (("none", "none", "column"), ((), (2,), ())),
+], ids=["rows", "columns"])
+def test_t5x_factors_rows_without_columns_as_t5x_does(rule, plan, dtype):
+  # T5X takes such a rule (its logical rules turn it into NONE, its factor_map does not):
+  # a full-size statistic and its own mean, the unfactored estimate. safefactor's own
+  # factor_rules refuse it, and the preset did, naming safefactor's rule.
+  params, grads = _problem(dtype)
+  factor_map = [("stacked", rule), *T5X_FACTOR_MAP]
+  tx = osf.presets.t5x(1e-2, beta1=0.9, min_dim_size_to_factor=32, factor_map=factor_map)
+  ours, _ = _run_preset(tx, params, grads)
+  reference = T5XAdafactor(1e-2, beta1=0.9, plans={**T5X_PLANS, "stacked": plan},
+                           min_dim_size_to_factor=32, compute_dtype=dtype)
+  assert _largest_difference(ours, _run_reference(reference, params, grads)) <= BOUND[dtype]
+
+
 def _t5x_plans(tx, params):
   state = tx.init(params)
   moments = state.inner_state.second_moment

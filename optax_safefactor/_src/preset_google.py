@@ -238,6 +238,10 @@ def _t5x_roles(rule: Sequence[Any] | None, shape: tuple[int, ...],
                      f"of shape {shape}")
   if len(shape) <= 2 and "batch" not in roles:
     return None  # T5X ignores the rule of a matrix without batch axes
+  if ("row" in roles) != ("column" in roles):
+    # T5X takes rows without columns (or the reverse): one statistic is then full-size and
+    # the other its own mean, so their estimate is the unfactored one, as here.
+    roles = tuple("none" if role in ("row", "column") else role for role in roles)
   return roles
 
 
@@ -326,9 +330,11 @@ def t5x(
   factoring. ``logical_factor_rules`` (a mapping from logical axis name to role, or
   ``"standard"`` for T5X's ``standard_logical_factor_rules()``) with
   ``param_logical_axes`` (a tree like the params of tuples of logical axis names, what
-  T5X passes to ``set_param_axes``) works as in T5X: a leaf with rows but no columns (or
-  the reverse) is unfactored, keeping its batch axes; a rule of a rank-2 leaf without a
-  batch axis is ignored for the heuristic, as T5X ignores it. With safefactor's own
+  T5X passes to ``set_param_axes``) works as in T5X. Either way a leaf with rows but no
+  columns (or the reverse) is unfactored, keeping its batch axes (T5X's logical rules
+  make it so; its ``factor_map`` keeps a full-size statistic and its own mean, the same
+  estimate); a rule of a leaf of rank 2 or below without a batch axis is ignored for the
+  heuristic, as T5X ignores it. With safefactor's own
   names the same is ``factor_rules=osf.logical_factor_rules(axis_names, rules)``, whose
   :data:`~optax_safefactor.DEFAULT_LOGICAL_RULES` make ``layers``, ``stack``, ``expert``
   axes ``"batch"`` and leave the rest to the heuristic.
