@@ -243,6 +243,6 @@ def test_t5x_applies_the_rule_of_a_leaf_above_rank_2_without_batch_axes():
   assert (moments["w"].v_row.shape, moments["w"].v_col.shape) == ((3, 40, 1), (1, 40, 48))
   # The matrix's rule is ignored: the heuristic's rows (40) and columns (48).
   assert (moments["m"].v_row.shape, moments["m"].v_col.shape) == ((40, 1), (1, 48))
-  # So is a vector's (rank 2 and below): a row without a column, which safefactor's own
-  # factor_rules refuses, leaves it unfactored as the heuristic does.
+  # A vector's rule (a row without a column, which safefactor's own factor_rules refuse)
+  # leaves it unfactored, as the heuristic does.
   assert moments["b"].v.shape == (48,)
