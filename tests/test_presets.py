@@ -707,8 +707,15 @@ def test_a_preset_drops_its_own_defaults_that_its_original_ignores_without_warni
     (lambda: osf.presets.transformers(lr=1e-3, relative_step=False, scale_parameter=False,
                                       eps=(1e-30, 0.1)),
      r"presets.transformers\(\): eps\[1\]=0.1 has no effect: scale_parameter is False"),
+    # The originals decay a bfloat16 momentum by the Python float as bfloat16 holds it: 1.
+    (lambda: osf.presets.big_vision(1e-2, momentum=0.999),
+     r"presets.big_vision\(\): momentum is 0.999, which bfloat16 rounds to 1: the original "
+     r"would never decay its momentum; the preset decays it by 0.999"),
+    (lambda: osf.presets.t5x(1e-2, beta1=0.999, dtype_momentum="bfloat16"),
+     r"presets.t5x\(\): beta1 is 0.999, which bfloat16 rounds to 1"),
 ], ids=["t5x-epsilon2", "t5x-smaller-epsilon2", "t5x-unknown-dtype", "t5x-max-scale",
-        "t5x-size", "t5x-momentum-dtype", "big_vision", "transformers"])
+        "t5x-size", "t5x-momentum-dtype", "big_vision", "transformers",
+        "big_vision-momentum-rounds-to-1", "t5x-beta1-rounds-to-1"])
 def test_a_preset_warns_of_a_value_chosen_for_what_its_original_ignores(build, message):
   # The originals ignore them silently, and so did the presets: a value the user chose
   # was dropped without a word. It is named as the preset's own argument.

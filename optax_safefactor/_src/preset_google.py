@@ -20,7 +20,8 @@ from optax_safefactor._src.preset_assembly import Schedule
 # Both ------------------------------------------------------------------------------------
 
 
-def _momentum_as_stored(momentum: Any, dtype_momentum: Any) -> tuple[Any, Any]:
+def _momentum_as_stored(momentum: Any, dtype_momentum: Any,
+                        where: str) -> tuple[Any, Any]:
   """The momentum's decay as big_vision and T5X apply it, and a factor for the update.
 
   Both decay the stored momentum by a Python float times it (optax's ``decay * ema``,
@@ -35,7 +36,7 @@ def _momentum_as_stored(momentum: Any, dtype_momentum: Any) -> tuple[Any, Any]:
   rounded too, so that injecting the learning rate leaves the momentum as it was.
   Left as it is: a momentum in the params' dtype (``None``, ``"at_least_float32"``:
   unknown here), and one the dtype rounds to 1 (theirs then never decays, which
-  safefactor refuses).
+  safefactor refuses: a number warns, naming ``where``, the preset and its argument).
 
   Returns:
     ``(b, factor)``; ``(momentum, 1.0)`` for a number where nothing is rounded.
@@ -54,6 +55,10 @@ def _momentum_as_stored(momentum: Any, dtype_momentum: Any) -> tuple[Any, Any]:
     decay = jnp.where(rounded < 1, rounded, momentum)
     return decay, jnp.where(decay == momentum, 1.0, (1 - momentum) / (1 - decay))
   decay = float(np.asarray(momentum, np.float64).astype(real))
+  if decay >= 1 > momentum:
+    warnings.warn(f"{where} is {momentum!r}, which {real.name} rounds to 1: the original "
+                  "would never decay its momentum; the preset decays it by "
+                  f"{momentum!r}", UserWarning, stacklevel=3)
   if decay == momentum or decay >= 1:
     return momentum, 1.0
   return decay, (1 - momentum) / (1 - decay)
@@ -186,7 +191,8 @@ def big_vision(
   if not decays and mask is not _big_vision_wd_mask:
     warnings.warn("presets.big_vision(): weight_decay_mask says which params wd decays, and "
                   "wd is 0: it has no effect", UserWarning, stacklevel=2)
-  momentum, factor = _momentum_as_stored(_none_if_zero(momentum), dtype_momentum)
+  momentum, factor = _momentum_as_stored(_none_if_zero(momentum), dtype_momentum,
+                                         "presets.big_vision(): momentum")
   settings = dict(
       learning_rate=None if isinstance(factor, float) and factor == 1 else factor,
       min_dim_size_to_factor=min_dim_size_to_factor,
@@ -455,7 +461,7 @@ def t5x(
     weight_decay_rate = (
         (lambda count: base * learning_rate(count) ** exponent) if callable(learning_rate)
         else base * learning_rate ** exponent)
-  beta1, factor = _momentum_as_stored(beta1, dtype_momentum)
+  beta1, factor = _momentum_as_stored(beta1, dtype_momentum, "presets.t5x(): beta1")
   if not (isinstance(factor, float) and factor == 1):
     lr = learning_rate
     learning_rate = (lambda count: factor * lr(count)) if callable(lr) else factor * lr
