@@ -802,8 +802,14 @@ def test_transformers_decay_with_parameter_scale_takes_the_mask():
       warnings.simplefilter("error")
       tx = osf.presets.transformers(lr=0.05, relative_step=False, weight_decay=0.1,
                                     scale_parameter=scale_parameter,
-                                    weight_decay_mask={"w": True, "b": False})
-    updates, _ = tx.update(grads, tx.init(params), params)
+                                    weight_decay_mask={"w": True, "b": False},
+                                    state_dtype="bfloat16")
+    state = tx.init(params)
+    updates, _ = tx.update(grads, state, params)
+    # The other overrides still reach safefactor once the mask is taken out of them.
+    nodes = jax.tree.leaves(state, is_leaf=lambda node: hasattr(node, "second_moment"))
+    moments = next(node.second_moment for node in nodes if hasattr(node, "second_moment"))
+    assert {leaf.dtype for leaf in jax.tree.leaves(moments)} == {jnp.dtype(jnp.bfloat16)}
     scale = 2.0 if scale_parameter else 1.0  # max(rms(p), eps2) under the parameter scale
     np.testing.assert_allclose(updates["w"], -0.1 * 0.05 * scale * 2.0, rtol=1e-6)
     np.testing.assert_array_equal(updates["b"], 0.0)
