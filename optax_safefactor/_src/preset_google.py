@@ -109,7 +109,9 @@ def big_vision(
     \Delta_t = -\,\mathrm{schedule}(t)\,\big(\text{lr}\cdot m_t + \text{wd}\cdot p\big),
     \qquad m_t = \tilde\beta_1 m_{t-1} + (1-\beta_1)\,\mathrm{clip}(g/\sqrt{\hat v}),
 
-  with :math:`\tilde\beta_1` the momentum rounded to ``dtype_momentum``. The preset is
+  with :math:`\tilde\beta_1` the momentum rounded to ``dtype_momentum`` (``None`` keeps
+  the momentum in the params' dtype, which the preset cannot know when it is built: there
+  it decays by the momentum as given). The preset is
   that chain, with ``safefactor`` (no parameter scale; momentum :math:`\tilde\beta_1`,
   and a learning rate of :math:`(1-\beta_1)/(1-\tilde\beta_1)` that puts big_vision's
   new term back) in place of ``scale_by_adafactor``; the non-finite guard judges the
