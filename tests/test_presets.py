@@ -807,8 +807,7 @@ def test_transformers_decay_with_parameter_scale_takes_the_mask():
     state = tx.init(params)
     updates, _ = tx.update(grads, state, params)
     # The other overrides still reach safefactor once the mask is taken out of them.
-    nodes = jax.tree.leaves(state, is_leaf=lambda node: hasattr(node, "second_moment"))
-    moments = next(node.second_moment for node in nodes if hasattr(node, "second_moment"))
+    moments = optax.tree_utils.tree_get(state, "second_moment")
     assert {leaf.dtype for leaf in jax.tree.leaves(moments)} == {jnp.dtype(jnp.bfloat16)}
     scale = 2.0 if scale_parameter else 1.0  # max(rms(p), eps2) under the parameter scale
     np.testing.assert_allclose(updates["w"], -0.1 * 0.05 * scale * 2.0, rtol=1e-6)
@@ -863,6 +862,5 @@ def test_a_bfloat16_momentum_decays_as_the_originals_python_float_does(build, mo
     with jax.numpy_dtype_promotion("standard"):  # as big_vision runs optax
       expected, their_state = their_step(jnp.asarray(g), their_state)
     np.testing.assert_allclose(-updates["w"], expected, rtol=1e-6, atol=1e-6)
-  momentum_state = jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "momentum"))
-  stored = next(leaf.momentum["w"] for leaf in momentum_state if hasattr(leaf, "momentum"))
+  stored = optax.tree_utils.tree_get(state, "momentum")["w"]
   np.testing.assert_array_equal(stored, their_state.ema)

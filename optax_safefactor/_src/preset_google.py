@@ -39,17 +39,17 @@ def _momentum_as_stored(momentum: Any, dtype_momentum: Any,
   safefactor refuses: a number warns, naming ``where``, the preset and its argument).
 
   Returns:
-    ``(b, factor)``; ``(momentum, 1.0)`` for a number where nothing is rounded.
+    ``(b, factor)``; ``(momentum, None)`` where nothing is rounded (no factor).
   """
   if momentum is None or dtype_momentum in (None, numerics.AT_LEAST_FLOAT32):
-    return momentum, 1.0
+    return momentum, None
   try:
     real = jnp.finfo(dtype_momentum).dtype
   except (TypeError, ValueError):
-    return momentum, 1.0  # not a float dtype: safefactor's checks name it
+    return momentum, None  # not a float dtype: safefactor's checks name it
   if isinstance(momentum, (jax.Array, jax.core.Tracer)):
     if not jnp.issubdtype(momentum.dtype, jnp.floating):
-      return momentum, 1.0
+      return momentum, None
     # Traced in update: the same steps in init and update build the same chain.
     rounded = momentum.astype(real).astype(momentum.dtype)
     decay = jnp.where(rounded < 1, rounded, momentum)
@@ -60,7 +60,7 @@ def _momentum_as_stored(momentum: Any, dtype_momentum: Any,
                   "would never decay its momentum; the preset decays it by "
                   f"{momentum!r}", UserWarning, stacklevel=3)
   if decay == momentum or decay >= 1:
-    return momentum, 1.0
+    return momentum, None
   return decay, (1 - momentum) / (1 - decay)
 
 
@@ -196,7 +196,7 @@ def big_vision(
   momentum, factor = _momentum_as_stored(_none_if_zero(momentum), dtype_momentum,
                                          "presets.big_vision(): momentum")
   settings = dict(
-      learning_rate=None if isinstance(factor, float) and factor == 1 else factor,
+      learning_rate=factor,
       min_dim_size_to_factor=min_dim_size_to_factor,
       decay_rate=decay_rate, decay_offset=decay_offset, beta2_cap=beta2_cap,
       clipping_threshold=_none_if_zero(clipping_threshold), momentum=momentum,
@@ -464,9 +464,8 @@ def t5x(
         (lambda count: base * learning_rate(count) ** exponent) if callable(learning_rate)
         else base * learning_rate ** exponent)
   beta1, factor = _momentum_as_stored(beta1, dtype_momentum, "presets.t5x(): beta1")
-  if not (isinstance(factor, float) and factor == 1):
-    lr = learning_rate
-    learning_rate = (lambda count: factor * lr(count)) if callable(lr) else factor * lr
+  if factor is not None:
+    learning_rate = preset_assembly.times(factor, learning_rate)
   settings = dict(
       learning_rate=learning_rate, factored=factored,
       multiply_by_parameter_scale=multiply_by_parameter_scale, momentum=beta1,
