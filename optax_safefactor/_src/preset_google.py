@@ -247,8 +247,8 @@ def _t5x_roles(rule: Sequence[Any] | None, shape: tuple[int, ...],
   if len(shape) <= 2 and "batch" not in roles:
     return None  # T5X ignores the rule of a matrix without batch axes
   if ("row" in roles) != ("column" in roles):
-    # T5X takes rows without columns (or the reverse): one statistic is then full-size and
-    # the other its own mean, so their estimate is the unfactored one, as here.
+    # Rows without columns (or the reverse): T5X's logical rules make such a leaf NONE;
+    # its factor_map keeps one full-size statistic and its own mean, the same estimate.
     roles = tuple("none" if role in ("row", "column") else role for role in roles)
   return roles
 
@@ -272,8 +272,6 @@ def _t5x_factor_rules(factor_map: Any, logical_factor_rules: Any,
       if "row" in roles and "column" in roles and "none" in roles:
         raise ValueError(f"params/{name}: incomplete Adafactor spec {tuple(roles)} for "
                          f"{axes}")
-      if "row" not in roles or "column" not in roles:
-        roles = ["none" if role in ("row", "column") else role for role in roles]
       return _t5x_roles(tuple(roles), shape, f"params/{name}")
 
     return plan.NamedParamRules(names, preset_assembly.path_name, roles_of,
