@@ -78,6 +78,9 @@ def test_beta2_cap_and_custom_decay_fn():
   constant = osf.scale_by_safe_factored_rms(decay_rate_fn=lambda step, rate: jnp.float32(0.0))
   _, state, _ = run_steps(constant, params, lambda s: {"v": grads["v"] * (s + 1.0)}, 4)
   np.testing.assert_allclose(state.second_moment["v"].v, 16.0, rtol=1e-6)
+  # No leaf, so no beta2 to check: an empty tree steps, with its schedule unused.
+  updates, state = constant.update({}, constant.init({}), {})
+  assert updates == {} and int(state.count) == 1
 
 
 @pytest.mark.parametrize("count, step_offset", [(0, -2**31), (2**31 - 10, -1000),
