@@ -546,6 +546,11 @@ def test_own_argument_errors():
      r"presets.t5x\(\): global_norm_clip_threshold must be non-negative and finite"),
     (lambda: osf.presets.t5x(1e-2, factored="no"), TypeError,
      r"presets.t5x\(\): factored must be True or False, got 'no'"),
+    # None was taken as safefactor's "unscaled" (T5X asserts a learning rate is given): the
+    # updates were the raw scaled gradients, and with a rounded bfloat16 beta1 it failed
+    # multiplying None.
+    (lambda: osf.presets.t5x(None), TypeError,
+     r"presets.t5x\(\): learning_rate must be a number or a schedule, got None"),
     (lambda: osf.presets.torch(lr="0.01"), TypeError,
      r"presets.torch\(\): lr must be a number or a schedule, got '0.01'"),
     (lambda: osf.presets.torch(eps=1e-3), TypeError,

@@ -370,7 +370,8 @@ def t5x(
     (2, 256, 1)
 
   Args:
-    learning_rate: a number or an optax schedule (T5X's schedule of the step).
+    learning_rate: a number or an optax schedule (T5X's schedule of the step); ``None``
+      is refused, as T5X asserts that one is given.
     factored: whether to factor second moments at all.
     multiply_by_parameter_scale: scale the step by the parameter's RMS.
     beta1: momentum of the scaled update, or ``None``.
@@ -401,7 +402,7 @@ def t5x(
       message gives the chain that clips inside the guard), and for values ``safefactor``
       refuses.
     TypeError: for a non-bool ``factored`` or ``multiply_by_parameter_scale``, a number
-      that is not one, or an override this
+      that is not one (a ``learning_rate`` of ``None``, say), or an override this
       preset sets itself or ``safefactor`` does not know.
   """
   taken = {"learning_rate": "learning_rate", "factored": "factored",
@@ -421,6 +422,9 @@ def t5x(
   preset_assembly.check_overrides("t5x", overrides, taken)
   preset_assembly.check_switches("t5x", factored=factored,
                                  multiply_by_parameter_scale=multiply_by_parameter_scale)
+  # T5X asserts that a learning rate is given; safefactor would take None as "unscaled".
+  preset_assembly.check_number("t5x", "learning_rate", learning_rate, "finite",
+                               math.isfinite, schedule_ok=True)
   preset_assembly.check_number("t5x", "global_norm_clip_threshold", global_norm_clip_threshold,
                                "non-negative and finite (0 or None: no clipping, as in T5X)",
                                lambda x: 0 <= x < math.inf, none_ok=True)
