@@ -829,6 +829,17 @@ def test_big_vision_warns_of_a_mask_without_decay():
     osf.presets.big_vision(1e-3, wd=1e-4, weight_decay_mask={"w": True})
 
 
+def test_t5x_lr_exponent_takes_a_scheduled_rate():
+  # A rate schedule, which the preset hands to safefactor without the exponent, failed with
+  # it multiplying the function ("unsupported operand type(s) for *: 'function'").
+  params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.zeros((4, 3))}
+  for learning_rate in (0.01, optax.constant_schedule(0.01)):
+    tx = osf.presets.t5x(learning_rate, weight_decay_rate=optax.constant_schedule(2.0),
+                         weight_decay_rate_lr_exponent=1.0, multiply_by_parameter_scale=False)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["w"], -0.02, rtol=1e-6)
+
+
 def test_t5x_lr_exponent_takes_a_rate_of_zero_as_none_as_t5x_does():
   # T5X: (weight_decay_rate or 1.0) * learning_rate ** exponent.
   params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.zeros((4, 3))}

@@ -378,7 +378,8 @@ def t5x(
     decay_rate: exponent of the second-moment decay.
     step_offset: step at which the decay schedule starts (fine-tuning).
     clipping_threshold: clip the scaled gradient to this RMS, or ``None``.
-    weight_decay_rate: decoupled weight decay (not scaled by the learning rate), or ``None``.
+    weight_decay_rate: decoupled weight decay (not scaled by the learning rate), a number
+      or an optax schedule, or ``None``.
     min_dim_size_to_factor: factor when both chosen axes have this size (heuristic).
     epsilon1: added to :math:`g^2`.
     epsilon2: the smallest parameter scale.
@@ -462,9 +463,11 @@ def t5x(
   if weight_decay_rate_lr_exponent:
     exponent = weight_decay_rate_lr_exponent
     base = weight_decay_rate or 1.0  # T5X's `or`: a rate of 0 is taken as none given
+    # A schedule when either is one (a rate schedule is safefactor's, taken here too).
     weight_decay_rate = (
-        (lambda count: base * learning_rate(count) ** exponent) if callable(learning_rate)
-        else base * learning_rate ** exponent)
+        (lambda count: preset_assembly.value_at(base, count)
+         * preset_assembly.value_at(learning_rate, count) ** exponent)
+        if callable(learning_rate) or callable(base) else base * learning_rate ** exponent)
   beta1, factor = _momentum_as_stored(beta1, dtype_momentum, "presets.t5x(): beta1")
   if factor is not None:
     learning_rate = preset_assembly.times(factor, learning_rate)
