@@ -578,6 +578,20 @@ def test_a_presets_own_arguments_are_judged_by_their_names(build, error, message
 INJECTED = {
     "t5x": (lambda: optax.inject_hyperparams(osf.presets.t5x)(learning_rate=1e-2),
             lambda: osf.presets.t5x(1e-2)),
+    # T5X's clip and lr exponent were tested for truth, which a traced array refuses
+    # (TracerBoolConversionError in the jitted update); a zero of either is off, as T5X's,
+    # and a zero rate under an exponent is 1 (T5X's `or`).
+    **{f"t5x_{name}": (
+        lambda kwargs=kwargs: optax.inject_hyperparams(osf.presets.t5x)(1e-2, **kwargs),
+        lambda kwargs=kwargs: osf.presets.t5x(1e-2, **kwargs))
+       for name, kwargs in {
+           "clip_and_lr_exponent": dict(global_norm_clip_threshold=1.0, weight_decay_rate=1e-3,
+                                        weight_decay_rate_lr_exponent=1.0),
+           "zero_clip_and_lr_exponent": dict(global_norm_clip_threshold=0.0,
+                                             weight_decay_rate=0.0,
+                                             weight_decay_rate_lr_exponent=0.0),
+           "zero_rate_under_lr_exponent": dict(weight_decay_rate=0.0,
+                                               weight_decay_rate_lr_exponent=2.0)}.items()},
     "big_vision": (lambda: optax.inject_hyperparams(osf.presets.big_vision)(
         learning_rate=1e-2, wd=1e-4), lambda: osf.presets.big_vision(1e-2, wd=1e-4)),
     "transformers": (lambda: optax.inject_hyperparams(osf.presets.transformers)(
@@ -834,7 +848,7 @@ def test_t5x_lr_exponent_takes_a_scheduled_rate():
   # it multiplying the function ("unsupported operand type(s) for *: 'function'").
   params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.zeros((4, 3))}
   for learning_rate in (0.01, optax.constant_schedule(0.01)):
-    tx = osf.presets.t5x(learning_rate, weight_decay_rate=optax.constant_schedule(2.0),
+    tx = osf.presets.t5x(learning_rate, weight_decay_rate=optax.linear_schedule(2.0, 0.0, 100),
                          weight_decay_rate_lr_exponent=1.0, multiply_by_parameter_scale=False)
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["w"], -0.02, rtol=1e-6)

@@ -38,6 +38,12 @@ def given(overrides: Mapping[str, Any]) -> dict[str, Any]:
           if not (name == "overrides" and isinstance(value, dict) and not value)}
 
 
+def injected(value: Any) -> bool:
+  """An array: what ``optax.inject_hyperparams`` hands over for a number, concrete in init
+  and traced in update, where Python's ``or`` and ``if`` cannot test it."""
+  return isinstance(value, (jax.Array, jax.core.Tracer))
+
+
 def is_set(value: Any) -> bool:
   """Whether a preset's number turns its step on: a nonzero number (the originals' ``or``:
   0 is off), or any array. ``optax.inject_hyperparams`` hands numbers over as arrays,
@@ -47,7 +53,7 @@ def is_set(value: Any) -> bool:
   >>> is_set(0.0), is_set(0.1), is_set(None), is_set(jnp.zeros([]))
   (False, True, False, True)
   """
-  return isinstance(value, (jax.Array, jax.core.Tracer)) or bool(value)
+  return injected(value) or bool(value)
 
 
 def check_switches(preset: str, **switches: Any) -> None:

@@ -290,6 +290,24 @@ def _t5x_factor_rules(factor_map: Any, logical_factor_rules: Any,
   return factor_rules
 
 
+def _t5x_lr_scaled_decay(rate: Any, learning_rate: Any, exponent: Any) -> Any:
+  """T5X's ``(rate or 1.0) * learning_rate ** exponent`` (a rate of 0 is taken as none given),
+  a schedule when either is one (a rate schedule, safefactor's, as it is); an injected
+  exponent of 0 leaves the rate as given (none: 0), as T5X's ``if exponent`` does."""
+  rate_or_one = rate if callable(rate) else (
+      jnp.where(rate != 0, rate, 1.0) if preset_assembly.injected(rate) else rate or 1.0)
+
+  def at(count):
+    decay = (preset_assembly.value_at(rate_or_one, count)
+             * preset_assembly.value_at(learning_rate, count) ** exponent)
+    if preset_assembly.injected(exponent):
+      as_given = 0.0 if rate is None else preset_assembly.value_at(rate, count)
+      decay = jnp.where(exponent != 0, decay, as_given)
+    return decay
+
+  return at if callable(learning_rate) or callable(rate) else at(None)
+
+
 def t5x(
     learning_rate: optax.ScalarOrSchedule,
     factored: bool = True,
@@ -443,7 +461,8 @@ def t5x(
   if not factored:
     preset_assembly.warn_unused(t5x, {"min_dim_size_to_factor": min_dim_size_to_factor},
                                 "factored is False")
-  if global_norm_clip_threshold and overrides.get("skip_spikes") is not None:
+  clip = global_norm_clip_threshold
+  if preset_assembly.is_set(clip) and overrides.get("skip_spikes") is not None:
     # The spike rule judges the gradients safefactor is given: behind the clip every step,
     # a spike included, arrives at the clip's norm, and no spike would ever be skipped.
     raise ValueError(
@@ -460,14 +479,9 @@ def t5x(
   factor_rules = None
   if factored and (factor_map is not None or param_logical_axes is not None):
     factor_rules = _t5x_factor_rules(factor_map, logical_factor_rules, param_logical_axes)
-  if weight_decay_rate_lr_exponent:
-    exponent = weight_decay_rate_lr_exponent
-    base = weight_decay_rate or 1.0  # T5X's `or`: a rate of 0 is taken as none given
-    # A schedule when either is one (a rate schedule is safefactor's, taken here too).
-    weight_decay_rate = (
-        (lambda count: preset_assembly.value_at(base, count)
-         * preset_assembly.value_at(learning_rate, count) ** exponent)
-        if callable(learning_rate) or callable(base) else base * learning_rate ** exponent)
+  if preset_assembly.is_set(weight_decay_rate_lr_exponent):
+    weight_decay_rate = _t5x_lr_scaled_decay(weight_decay_rate, learning_rate,
+                                             weight_decay_rate_lr_exponent)
   beta1, factor = _momentum_as_stored(beta1, dtype_momentum, "presets.t5x(): beta1")
   if factor is not None:
     learning_rate = preset_assembly.times(factor, learning_rate)
@@ -478,6 +492,7 @@ def t5x(
       weight_decay_rate=weight_decay_rate, min_dim_size_to_factor=min_dim_size_to_factor,
       eps=epsilon1, min_parameter_scale=epsilon2, dtype_momentum=dtype_momentum,
       factor_rules=factor_rules, max_parameter_scale=max_parameter_scale)
-  before = ([optax.clip_by_global_norm(global_norm_clip_threshold)]
-            if global_norm_clip_threshold else [])
+  if preset_assembly.injected(clip):  # an injected 0 is no clipping, as a number 0 is
+    clip = jnp.where(clip > 0, clip, jnp.inf)
+  before = [optax.clip_by_global_norm(clip)] if preset_assembly.is_set(clip) else []
   return preset_assembly.build("t5x", settings, overrides, before=before)
