@@ -719,6 +719,10 @@ def test_a_preset_drops_its_own_defaults_that_its_original_ignores_without_warni
      r"presets.t5x\(\): max_parameter_scale=0.5 has no effect"),
     (lambda: osf.presets.t5x(1e-2, factored=False, min_dim_size_to_factor=4),
      r"presets.t5x\(\): min_dim_size_to_factor=4 has no effect: factored is False"),
+    # T5X applies logical rules only when factoring (a factor_map it refuses there).
+    (lambda: osf.presets.t5x(1e-2, factored=False, logical_factor_rules="standard",
+                             param_logical_axes={"w": ("layers", "embed", "mlp")}),
+     r"presets.t5x\(\): logical_factor_rules='standard' has no effect: factored is False"),
     (lambda: osf.presets.t5x(1e-2, dtype_momentum="bfloat16"),
      r"presets.t5x\(\): dtype_momentum='bfloat16' has no effect: beta1 is None"),
     (lambda: osf.presets.big_vision(1e-2, momentum=None, dtype_momentum="float32"),
@@ -733,7 +737,7 @@ def test_a_preset_drops_its_own_defaults_that_its_original_ignores_without_warni
     (lambda: osf.presets.t5x(1e-2, beta1=0.999, dtype_momentum="bfloat16"),
      r"presets.t5x\(\): beta1 is 0.999, which bfloat16 rounds to 1"),
 ], ids=["t5x-epsilon2", "t5x-smaller-epsilon2", "t5x-unknown-dtype", "t5x-max-scale",
-        "t5x-size", "t5x-momentum-dtype", "big_vision", "transformers",
+        "t5x-size", "t5x-logical-rules", "t5x-momentum-dtype", "big_vision", "transformers",
         "big_vision-momentum-rounds-to-1", "t5x-beta1-rounds-to-1"])
 def test_a_preset_warns_of_a_value_chosen_for_what_its_original_ignores(build, message):
   # The originals ignore them silently, and so did the presets: a value the user chose

@@ -403,7 +403,8 @@ def t5x(
     epsilon2: the smallest parameter scale.
     dtype_momentum: the momentum's dtype name.
     factor_map: ``(regex, rule)`` pairs, as T5X's ``HParamMap``.
-    logical_factor_rules: logical axis name -> role, or ``"standard"``.
+    logical_factor_rules: logical axis name -> role, or ``"standard"`` (without
+      ``factored`` T5X ignores it, and a warning says so).
     weight_decay_rate_lr_exponent: weight decay ``(weight_decay_rate or 1) * lr **`` this.
     global_norm_clip_threshold: clip the gradients' global norm to this first.
     max_parameter_scale: the largest parameter scale, or ``None``.
@@ -459,7 +460,8 @@ def t5x(
                                       "max_parameter_scale": max_parameter_scale},
                                 "multiply_by_parameter_scale is False")
   if not factored:
-    preset_assembly.warn_unused(t5x, {"min_dim_size_to_factor": min_dim_size_to_factor},
+    preset_assembly.warn_unused(t5x, {"min_dim_size_to_factor": min_dim_size_to_factor,
+                                      "logical_factor_rules": logical_factor_rules},
                                 "factored is False")
   clip = global_norm_clip_threshold
   if preset_assembly.is_set(clip) and overrides.get("skip_spikes") is not None:
