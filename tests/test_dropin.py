@@ -54,6 +54,26 @@ def test_injected_dtype_momentum_class_needs_no_conversion_warning():
   assert state.inner_state.inner_state.momentum["w"].dtype == jnp.bfloat16
 
 
+@pytest.mark.skipif(
+    tuple(int(part) for part in optax.__version__.split(".")[:3]) < (0, 2, 8),
+    reason="optax before 0.2.8 hands inject_hyperparams' dtype arguments over as float32 "
+    "arrays, so the class cannot be recovered",
+)
+def test_injected_state_dtype_class_needs_no_conversion_warning():
+  # As dtype_momentum above: state_dtype=jnp.bfloat16 arrives as a bfloat16 scalar, which
+  # init and update converted back to a dtype with a DeprecationWarning (an error in a
+  # later JAX).
+  params = _params()
+  tx = optax.inject_hyperparams(osf.safefactor, static_args=("min_dim_size_to_factor",))(
+      learning_rate=0.1, state_dtype=jnp.bfloat16)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    with jax.numpy_dtype_promotion("standard"):
+      state = tx.init(params)
+      _, state = jax.jit(tx.update)(params, state, params)
+  assert jax.tree.leaves(state.inner_state.inner_state.second_moment)[0].dtype == jnp.bfloat16
+
+
 def test_map_params_casts_the_float_state_and_keeps_the_counters():
   # The supported way to cast an optimizer state with optax.tree.map_params: a function
   # that casts floating leaves only. The guard's counters are int32 and stay so.

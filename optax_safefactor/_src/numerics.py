@@ -44,6 +44,10 @@ def resolve_state_dtype(state_dtype: DTypeLike | None, param_dtype: DTypeLike) -
   """
   if state_dtype is None:
     return real_dtype(compute_dtype(param_dtype))
+  if isinstance(state_dtype, (jax.Array, np.ndarray, jax.core.Tracer)):
+    # A dtype class arrives from optax.inject_hyperparams as a scalar of that dtype, as
+    # dtype_momentum does (momentum_dtype); converting the array itself is deprecated.
+    state_dtype = state_dtype.dtype
   resolved = np.dtype(jnp.dtype(state_dtype))
   if not jnp.issubdtype(resolved, jnp.floating):
     raise TypeError(f"state dtype must be a real floating dtype, got {state_dtype!r}")
