@@ -66,6 +66,15 @@ def test_json_path_checked_before_measuring(json_path, tmp_path, capsys, monkeyp
       f"python -m optax_safefactor bench-rounding: error: cannot write --json {out}: {reason}"]
 
 
+def test_small_refuses_the_options_it_sets(monkeypatch, capsys):
+  # --small overrode them: --small --trees gpt2-small measured scanned-24 without a word.
+  monkeypatch.setattr(rounding, "measure", lambda *args: pytest.fail("measured"))
+  assert rounding.main(["--small", "--trees", "gpt2-small", "--repetitions", "5"]) == 2
+  assert capsys.readouterr().err.strip().splitlines() == [
+      "python -m optax_safefactor bench-rounding: error: --small sets --trees and "
+      "--repetitions itself: give --small or those options, not both"]
+
+
 def test_help_lists_trees_and_default_configs_plainly():
   text = " ".join(rounding.build_parser().format_help().split())
   assert ("any of 1b-slice, 600-leaves, gpt2-small, scanned-24, vit-b16 "

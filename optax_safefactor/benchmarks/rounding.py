@@ -45,6 +45,9 @@ CONFIGS = {
     "momentum": dict(learning_rate=1e-3, momentum=0.9, dtype_momentum="bfloat16"),
 }
 SMALL = dict(trees=["scanned-24"], scale=0.2, repetitions=2, configs=["default"])
+# The options --small sets, at their defaults (parsed as None, so that --small can tell an
+# option given from one left out).
+DEFAULTS = dict(trees=list(TREES), scale=1.0, repetitions=5, configs=list(CONFIGS))
 
 
 def measure(tree: str, scale: float, repetitions: int, config: str) -> list[dict]:
@@ -176,19 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
           f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
           for k, v in SMALL.items()) + " (seconds; for tests). The full run (the "
       "defaults) takes about 4 minutes on a 2-core CPU.")
-  parser.add_argument("--trees", nargs="+", choices=sorted(trees.TREES), default=list(TREES),
+  parser.add_argument("--trees", nargs="+", choices=sorted(trees.TREES), default=None,
                       metavar="TREE", help="parameter trees, any of "
                       f"{', '.join(sorted(trees.TREES))} ({' '.join(TREES)})")
-  parser.add_argument("--scale", type=common.SCALE, default=1.0,
+  parser.add_argument("--scale", type=common.SCALE, default=None,
                       help="multiply the trees' widths and vocabularies by this, in (0, 4]; "
                            "below about 0.17 no leaf is factored (1.0)")
-  parser.add_argument("--repetitions", type=common.REPETITIONS, default=5, metavar="N",
+  parser.add_argument("--repetitions", type=common.REPETITIONS, default=None, metavar="N",
                       help="timed rounds after one warm-up round (5)")
-  parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS),
+  parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None,
                       metavar="CONFIG", help="default: learning_rate=1e-3; momentum: also "
                       "momentum=0.9 in bfloat16 (both)")
   parser.add_argument("--small", action="store_true",
-                      help="a quick run for tests; overrides the options above")
+                      help="a quick run for tests: it sets the options above, so it takes "
+                           "none of them")
   parser.add_argument("--json", type=pathlib.Path, default=None, metavar="FILE",
                       help="also write every figure to FILE as JSON")
   return parser
@@ -197,8 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
-  if args.small:
-    for key, value in SMALL.items():
+  given = [f"--{key}" for key in SMALL if getattr(args, key) is not None]
+  if args.small and given:
+    # Overridden, the options given were dropped without a word.
+    return common.fail(parser.prog, f"--small sets {' and '.join(given)} itself: give "
+                       "--small or those options, not both")
+  for key, value in (SMALL if args.small else DEFAULTS).items():
+    if getattr(args, key) is None:
       setattr(args, key, value)
   if args.json is not None:
     problem = common.json_problem(args.json)
