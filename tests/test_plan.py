@@ -120,6 +120,16 @@ def test_logical_names_given_as_lists_are_names_not_params():
   assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, expected)
 
 
+@pytest.mark.parametrize("rules", [(("layers", "batch"),), [("layers", "batch")], "standard"],
+                         ids=["tuple-of-pairs", "list-of-pairs", "t5x-name"])
+def test_logical_rules_that_are_not_a_mapping_are_refused_by_name(rules):
+  # Pairs (as flax writes its logical axis rules) or presets.t5x's "standard" were taken,
+  # and init failed with "AttributeError: 'tuple' object has no attribute 'get'".
+  with pytest.raises(TypeError, match=r"logical_factor_rules: rules must be a mapping from "
+                                      r"logical axis name to role, got .*dict\(pairs\)"):
+    osf.logical_factor_rules({"w": ("layers", "embed", "mlp")}, rules)
+
+
 def test_a_short_partition_spec_leaves_the_last_axes_unnamed():
   # flax gives a param with no names (a bias, a norm's scale) the empty P(); read as no
   # roles at all, it failed init with "factor rule gives 0 roles () for a rank-1 param".

@@ -317,7 +317,7 @@ def logical_factor_rules(
       unannotated param ``P()``); a plain tuple must name every axis.
     rules: logical name -> role; defaults to :data:`DEFAULT_LOGICAL_RULES`
       (``layers``, ``stack``, ``expert``... are batch axes). Names without a rule are
-      left to the heuristic.
+      left to the heuristic. Anything but a mapping is a ``TypeError``.
 
   Returns:
     A ``(path, shape) -> roles`` callable for ``factor_rules``.
@@ -327,6 +327,11 @@ def logical_factor_rules(
   ('batch', None, None)
   """
   rules = DEFAULT_LOGICAL_RULES if rules is None else rules
+  if not isinstance(rules, Mapping):
+    # (name, role) pairs, as flax writes its logical axis rules, or presets.t5x's
+    # "standard", failed in init with an AttributeError that named neither.
+    raise TypeError(f"logical_factor_rules: rules must be a mapping from logical axis name "
+                    f"to role, got {rules!r}; for (name, role) pairs, pass dict(pairs)")
   # nnx.get_partition_spec gives each param's names in a Variable, as the params are.
   names_by_path = {
       _key_path(path): _as_names(placement.unbox(names))
