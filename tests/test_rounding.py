@@ -424,6 +424,12 @@ def test_round_to_nearest_equals_the_conversion(rng):
     assert np.all(np.isfinite(saturated[np.isfinite(_f64(x))]))
   nan = jnp.array([jnp.nan], jnp.float32)
   assert np.isnan(_f64(round_to_nearest(nan, jnp.bfloat16)))
+  # A wider dtype is a conversion too: every narrow value is on float32's grid.
+  for dtype in NARROW:
+    narrow = x.astype(dtype)
+    widened = round_to_nearest(narrow, jnp.float32)
+    assert widened.dtype == jnp.float32
+    np.testing.assert_array_equal(_f64(widened), _f64(narrow))
 
 
 # --- many small updates on one value ---------------------------------------------------
