@@ -106,3 +106,24 @@ def test_injected_clipping_threshold_changes_by_value():
       assert max_relative_error(updates[name], expected[name]) < 2e-5, (step, name)
     params = optax.apply_updates(params, updates)
   assert binding == [False, True, False, True], binding
+
+
+@pytest.mark.parametrize(("threshold", "injected"),
+                         [(1e-40, False), (1e-40, True), (1e-300, False)])
+def test_a_threshold_below_the_smallest_normal_gives_zero_updates_not_nan(threshold, injected):
+  """Guards against dividing by a threshold that is 0 in the step.
+
+  Both are positive, so construction takes them, and an injected 1e-40 passes its range
+  check; in float32 1e-40 is a subnormal (0 where subnormals are flushed, as on XLA's CPU)
+  and 1e-300 rounds to 0 (injected, it is refused as 0). An all-zero gradient's RMS over
+  such a threshold was 0 / 0: NaN updates, not skipped. Floored, the update's RMS is at
+  most the smallest normal: zero.
+  """
+  params = _params()
+  grads = {"w": jnp.zeros(SHAPES["w"]), "b": jnp.ones(SHAPES["b"])}
+  make = optax.inject_hyperparams(osf.safefactor) if injected else osf.safefactor
+  tx = make(learning_rate=LR, min_dim_size_to_factor=MIN_DIM, clipping_threshold=threshold)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  for name in SHAPES:
+    np.testing.assert_array_equal(np.asarray(updates[name]), 0.0)
+  assert int(osf.skipped_steps(state)) == 0

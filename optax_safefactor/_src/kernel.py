@@ -266,7 +266,11 @@ def clipped(multiplier: jax.Array | None, mean_square: jax.Array, threshold: Any
   r""":math:`m/\max(1, \sqrt{\mathrm{mean}(s^2)}/d)` (``m`` is 1 when ``None``): the
   update's RMS before ``m`` is at most :math:`d`."""
   dtype = mean_square.dtype
-  threshold = jnp.asarray(threshold, dtype)
+  # Floored at the smallest normal, as every divisor: a positive threshold below it is 0
+  # where the backend flushes subnormals (XLA's CPU and GPU), and one below float32's range
+  # rounds to 0, so an all-zero gradient's RMS would be 0 / 0: NaN updates, with the
+  # clipping's sum finite and nothing skipped.
+  threshold = jnp.maximum(jnp.asarray(threshold, dtype), jnp.finfo(dtype).tiny)
   numerator = jnp.asarray(1, dtype) if multiplier is None else multiplier
   return numerator / jnp.maximum(jnp.asarray(1, dtype),
                                  numerics.root_of_squares(mean_square) / threshold)
