@@ -144,7 +144,9 @@ def safefactor(
       ``state_dtype`` ``"bfloat16"``) that way;
       ``"kahan"`` rounds to nearest and keeps the rounding error in a compensation
       buffer of the param's dtype, added to the next update. Both landing modes land a
-      param pushed past the largest value on that value. The two rounding modes
+      param pushed past the largest value on that value, or an ulp below it where no
+      update in the param's dtype lands there (float16's 30000 cannot reach 65504: 35488
+      lands on 65472, 35520 on Inf). The two rounding modes
       need a ``learning_rate``: the rounded update must be the final one.
     rounding_seed: an int keying ``"stochastic"``'s random bits, together with the
       step, the param's path and each element's index (so the bits are the same on

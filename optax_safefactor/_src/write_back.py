@@ -188,7 +188,16 @@ def with_stream_keys(roundings: list[Rounding | None],
 
 
 def _landing_update_wide(param_wide: jax.Array, target_wide: jax.Array, dtype: DTypeLike):
-  return on_grid(target_wide - param_wide, dtype)
+  update = on_grid(target_wide - param_wide, dtype)
+  # At a tie the difference rounds to its even neighbour, away from zero half the time,
+  # and param + update can then be a tie just past the largest value, which rounds to Inf
+  # (a float16 param of 30000 sent to 65504 gets 35520: 65520 is Inf). Only a difference
+  # in the top binade gets there, and no update lands such a param on the largest value:
+  # one ulp of the top binade nearer zero lands it an ulp below (65472).
+  info = jnp.finfo(dtype)
+  top_ulp = float(info.eps) * 2.0 ** (info.maxexp - 1)
+  past = jnp.abs(param_wide + update) >= jnp.asarray(float(info.max) + top_ulp / 2, update.dtype)
+  return jnp.where(past & jnp.isfinite(target_wide), update - jnp.sign(update) * top_ulp, update)
 
 
 def _landed_wide(param_wide: jax.Array, update_wide: jax.Array, dtype: DTypeLike):
@@ -206,7 +215,9 @@ def landing_update(param: jax.Array, target: jax.Array) -> jax.Array:
   Sterbenz's lemma ``|target - param| <= |param| / 2`` (with ``target`` of the same
   sign) suffices. Otherwise (sign changes, targets near zero, jumps beyond twice
   the param) the param lands within one ulp of the larger of ``|param|`` and
-  ``|target|``: see :func:`landed`. Inside jit XLA flushes float32 subnormals, so a
+  ``|target|``: see :func:`landed`; where that would be past the largest finite value
+  (Inf), the update is an ulp nearer zero and the param lands an ulp below the largest
+  value. Inside jit XLA flushes float32 subnormals, so a
   bfloat16 difference below the smallest normal (about 1.2e-38) becomes 0.
 
   >>> import jax.numpy as jnp, optax
