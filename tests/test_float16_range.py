@@ -102,6 +102,29 @@ def test_an_infinite_update_stays_infinite_in_every_mode(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
+def test_float16_state_past_its_range_saturates_in_every_mode(mode):
+  # The same rule for state: stochastic rounding saturated a float16 momentum and float16
+  # statistics, where rounding to nearest (and Kahan's) stored Inf. A momentum stored as
+  # Inf is read by the next step, not this one: the step that wrote it was applied, and
+  # every later one skipped. Here the blend passes 65504 on the second step (1e5 x 0.5 +
+  # 5e4 x 0.5), and gradients of 300 make a statistic of 90000 on the first.
+  params = {"w": jnp.full((4, 3), 0.5, jnp.float16)}
+  grads = {"w": jnp.asarray(np.linspace(-300.0, 300.0, 12).reshape(4, 3), jnp.float16)}
+  tx = osf.safefactor(1e5, momentum=0.5, dtype_momentum="float16", state_dtype="float16",
+                      param_rounding=mode, multiply_by_parameter_scale=False,
+                      clipping_threshold=None, factored=False)
+  state, update = tx.init(params), jax.jit(tx.update)
+  for _ in range(3):
+    _, state = update(grads, state, params)
+  momentum = np.asarray(state.inner_state.momentum["w"], np.float64)
+  statistics = np.asarray(state.inner_state.second_moment["w"].v, np.float64)
+  nonzero = np.asarray(grads["w"], np.float64) != 0
+  np.testing.assert_array_equal(np.abs(momentum[nonzero]), FLOAT16_MAX)
+  assert statistics.max() == FLOAT16_MAX
+  assert int(osf.skipped_steps(state)) == 0
+
+
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
 def test_a_param_at_the_float16_maximum_pushed_further(mode):
   # The documented difference between the modes at the range's edge (safefactor's
   # param_rounding): the update itself is finite in every mode, but "nearest" leaves the

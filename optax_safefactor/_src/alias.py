@@ -103,14 +103,15 @@ def safefactor(
       choosing the leaves that decay (without ``weight_decay_rate`` it warns that it
       has no effect).
     state_dtype: dtype (or its name) of the second moment; ``None`` for float32 (float64 for
-      float64 params). ``"float16"`` statistics overflow where a new statistic passes
+      float64 params). ``"float16"`` statistics saturate where a new statistic passes
       65504, float16's largest value (on the first step, a mean of squared gradients
       over a row or column of 256**2: gradients of 256 throughout it; later steps weigh
-      the new squares by ``1 - beta2``, so the bound grows with the step), and each such
-      step is skipped as non-finite: ``"bfloat16"`` halves the state with float32's range,
-      but rounded to nearest its statistics move by whole ulps: once ``1 - beta2`` is
-      below half of bfloat16's ulp (2**-9, after about 2,400 steps at the default
-      ``decay_rate``) they can no longer fall. ``param_rounding="stochastic"`` writes
+      the new squares by ``1 - beta2``, so the bound grows with the step), as every value
+      stored narrower does (a float16 or bfloat16 momentum too): the estimate is then too
+      small and the clipping bounds the update. ``"bfloat16"`` halves the state with
+      float32's range, but rounded to nearest its statistics move by whole ulps: once
+      ``1 - beta2`` is below half of bfloat16's ulp (2**-9, after about 2,400 steps at
+      the default ``decay_rate``) they can no longer fall. ``param_rounding="stochastic"`` writes
       them stochastically, which keeps them unbiased.
     beta2_cap: an upper bound on beta2, as big_vision's 0.999; ``None`` for none.
     min_parameter_scale: the smallest parameter scale (``optax``'s 1e-3).

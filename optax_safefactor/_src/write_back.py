@@ -325,13 +325,21 @@ def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
           streams: tuple[int, ...]) -> tuple[jax.Array, ...]:
   r"""Wide ``values`` written into state of ``dtype``, each with the bits of its stream.
 
-  Rounded to nearest, or stochastically (:math:`\mathbb{E}[\mathrm{store}(x)] = x`) with
-  ``"stochastic"`` rounding when ``dtype`` is narrower than the values, so that a
-  bfloat16 moving average keeps moving. The arrays of one leaf are stored together
-  (its row and column statistics, say), each drawing from its own stream.
+  Finite values past ``dtype``'s range saturate at its largest value, NaN and Inf pass
+  (:func:`rounding.saturate`, in every mode). Rounded to nearest, or stochastically
+  (:math:`\mathbb{E}[\mathrm{store}(x)] = x`) with ``"stochastic"`` rounding when
+  ``dtype`` is narrower than the values, so that a bfloat16 moving average keeps moving.
+  The arrays of one leaf are stored together (its row and column statistics, say), each
+  drawing from its own stream.
   """
   if how is None or not how.stochastic:
-    return tuple([x.astype(dtype) for x in values])
+    # The one cast rule (rounding.saturate), as stochastic rounding keeps it: a finite value
+    # past a narrower state dtype's range is stored as its largest value, not Inf. A float16
+    # momentum pushed past 65504 was stored as Inf after the guard had passed its step, and
+    # every later step was skipped for it.
+    largest = float(jnp.finfo(dtype).max)
+    return tuple([jnp.where(jnp.isfinite(x), jnp.clip(x, -largest, largest), x).astype(dtype)
+                  if largest < jnp.finfo(x.dtype).max else x.astype(dtype) for x in values])
   return tuple([
       stochastic_round(x, dtype, how.bits(x.shape, stream))
       if needs_rounding(dtype, x.dtype) else x.astype(dtype)
