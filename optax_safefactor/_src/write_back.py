@@ -332,17 +332,18 @@ def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
   The arrays of one leaf are stored together (its row and column statistics, say), each
   drawing from its own stream.
   """
-  if how is None or not how.stochastic:
-    # The one cast rule (rounding.saturate), as stochastic rounding keeps it: a finite value
-    # past a narrower state dtype's range is stored as its largest value, not Inf. A float16
-    # momentum pushed past 65504 was stored as Inf after the guard had passed its step, and
-    # every later step was skipped for it.
-    largest = float(jnp.finfo(dtype).max)
-    return tuple([jnp.where(jnp.isfinite(x), jnp.clip(x, -largest, largest), x).astype(dtype)
-                  if largest < jnp.finfo(x.dtype).max else x.astype(dtype) for x in values])
+  # The one cast rule (rounding.saturate) in every mode, as stochastic_round keeps it: a
+  # finite value past a narrower state dtype's range is stored as its largest value, not
+  # Inf. A float16 momentum pushed past 65504 was stored as Inf after the guard had passed
+  # its step, and every later step was skipped for it. Written out here, not through
+  # rounding.saturating_cast, to keep the update's path short.
+  stochastic = how is not None and how.stochastic
+  largest = float(jnp.finfo(dtype).max)
   return tuple([
       stochastic_round(x, dtype, how.bits(x.shape, stream))
-      if needs_rounding(dtype, x.dtype) else x.astype(dtype)
+      if stochastic and needs_rounding(dtype, x.dtype)
+      else jnp.where(jnp.isfinite(x), jnp.clip(x, -largest, largest), x).astype(dtype)
+      if largest < jnp.finfo(x.dtype).max else x.astype(dtype)
       for x, stream in zip(values, streams, strict=True)
   ])
 
