@@ -147,19 +147,21 @@ def test_a_param_at_the_float16_maximum_pushed_further(mode):
 @pytest.mark.parametrize(("dtype", "start", "learning_rate"),
                          [(jnp.float16, 30000.0, 1e9), (jnp.bfloat16, 131 * 2.0**119, 2.525e38)])
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
-def test_a_landing_tie_past_the_largest_value_stays_finite(mode, dtype, start, learning_rate):
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_landing_tie_past_the_largest_value_stays_finite(mode, dtype, start, learning_rate,
+                                                           sign):
   # The difference rounds to its even neighbour, away from zero, and param + update is then
   # a tie just past the largest value (65520), which rounds to Inf. The landing modes
   # landed such a param on Inf, and Kahan's compensation became -Inf, so that every later
   # step was skipped. No update lands it on the largest value: it lands an ulp below.
   largest = jnp.asarray(jnp.finfo(dtype).max, dtype)
   below = np.float32(np.nextafter(largest, jnp.asarray(0, dtype)))
-  params = {"w": jnp.full((4, 3), start, dtype)}
-  grads = {"w": jnp.full((4, 3), -1.0, dtype)}
+  params = {"w": jnp.full((4, 3), sign * start, dtype)}  # and the mirror image
+  grads = {"w": jnp.full((4, 3), -sign, dtype)}
   tx = osf.safefactor(learning_rate, param_rounding=mode, multiply_by_parameter_scale=False,
                       clipping_threshold=None)
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   landed = optax.apply_updates(params, updates)["w"]
-  np.testing.assert_array_equal(np.asarray(landed, np.float32), below)
+  np.testing.assert_array_equal(np.asarray(landed, np.float32), sign * below)
   assert jax.tree.all(jax.tree.map(lambda x: bool(jnp.all(jnp.isfinite(x))), state))
   assert int(osf.skipped_steps(state)) == 0
