@@ -143,7 +143,9 @@ def accumulate_gradients(
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is an
-    :class:`AccumulationState`; extra arguments are passed on to ``inner``.
+    :class:`AccumulationState`; extra arguments are passed on to ``inner`` on the
+    micro-batch that completes a group, the only one that steps it (a spike rule's
+    ``value=`` is the one given there: pass the group's mean loss with it).
 
   Raises:
     TypeError: at construction, when ``inner`` is not a transformation (the factory

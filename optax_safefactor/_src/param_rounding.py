@@ -103,6 +103,10 @@ def with_param_rounding(
     under ``jax.jit`` with Explicit mesh axes; with Auto axes a jitted ``init``
     needs ``out_shardings`` (the first jitted update places it like the param).
 
+  ``inner`` steps float32 copies, so its own write-back has nothing narrow to round: a
+  ``safefactor(..., param_rounding=...)`` inside rounds only its narrow momentum or
+  statistics that way, and this transformation's ``mode`` decides the params'.
+
   float32 and float64 params are untouched by every mode: their gradients reach
   ``inner`` as they come (bfloat16 ones included) and their updates are ``inner``'s, bit
   for bit, in ``inner``'s dtype. A narrow param's update is in the param dtype, or with
