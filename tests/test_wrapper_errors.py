@@ -166,7 +166,10 @@ def test_wrappers_accept_any_object_with_init_and_update():
       tx.update(params, tx.init(params), params)
 
 
-@pytest.mark.parametrize("seed,error", [("0", TypeError), (1.5, TypeError), (2**70, ValueError)])
+@pytest.mark.parametrize("seed,error", [
+    ("0", TypeError), (1.5, TypeError), (2**70, ValueError),
+    # An array must be an integer scalar, as optax.inject_hyperparams hands an int over.
+    (np.array(1.5, np.float32), TypeError), (np.array([1, 2]), TypeError)])
 def test_with_param_rounding_checks_its_seed_as_safefactor_does(seed, error):
   # A string or float seed failed inside the first update with JAX's own dtype errors, and
   # 2**70 silently drew the bits of seed 0.
