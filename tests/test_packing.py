@@ -135,6 +135,15 @@ def test_kinds_of_few_leaves_are_not_packed():
   assert not re.search(r"f32\[\d+,32\]\{1,0\} (?:concatenate|fusion)\(", text)
 
 
+@pytest.mark.real_minimum
+def test_a_tree_of_exactly_the_minimum_is_packed():
+  # The tree-wide shortcut (fewer leaves than a kind needs: packing's bookkeeping is not
+  # entered) must let a tree of exactly that many through.
+  params = {f"many{i}": jnp.ones((48,)) for i in range(packing.MIN_LEAVES_TO_PACK)}
+  text = _compiled_text(osf.safefactor(1e-3, pack_small_leaves=True), params)
+  assert re.search(r"f32\[1,48\]\{1,0\} dynamic-slice\(", text)
+
+
 def _units(params, enabled=True):
   """The units ``safefactor(1e-3)`` steps a tree in (float32 arithmetic for every leaf)."""
   state = osf.safefactor(1e-3).init(params).inner_state

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
+from optax_safefactor._src import guard_records, spikes
 from tests.reference import ReferenceSpikeRule
 
 HELD = "Params and optimizer state hold the last finite step."
@@ -205,3 +206,17 @@ def test_finite_gradients_whose_norm_overflows_are_a_spike():
   state = tx.init(params)
   updates, state = update({"w": jnp.full((4, 3), 1e20)}, state, params)
   assert int(osf.skipped_steps(state)) == 0 and float(updates["w"][0, 0]) == pytest.approx(-1e19)
+
+
+@pytest.mark.parametrize("leaf", [-1, 2])
+def test_a_spike_leaf_index_outside_the_tree_names_no_leaf(leaf):
+  # The index is read from the state, which a user may have edited or built: one outside
+  # the tree's leaves (here two) names none, rather than failing or naming another leaf.
+  history = spikes.init_history(4)._replace(
+      skipped_spikes=jnp.int32(1), last_spike_step=jnp.int32(3),
+      last_spike_statistic=jnp.int32(spikes.GRADIENT_NORM), last_spike_leaf=jnp.int32(leaf),
+      last_spike_value=jnp.float32(9.0), last_spike_limit=jnp.float32(2.0),
+      last_spike_leaf_norm=jnp.float32(8.0))
+  record = guard_records._spike_record(history, ["params['b']", "params['w']"])
+  assert record.skipped == 1 and record.last_step == 3
+  assert record.last_leaf is None
