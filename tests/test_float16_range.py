@@ -125,6 +125,18 @@ def test_float16_state_past_its_range_saturates_in_every_mode(mode):
 
 
 @pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
+def test_a_complex128_params_complex64_momentum_is_stored_as_cast(x64, mode):
+  # The rule clamps real values; a complex one has no order to clamp by, and the store
+  # failed in jnp.clip for a complex128 param's complex64 momentum (dtype_momentum's
+  # default "float32" is complex64 for a complex param).
+  params = {"w": jnp.full((4, 3), 1 + 2j, jnp.complex128)}
+  tx = osf.safefactor(0.1, momentum=0.9, param_rounding=mode)
+  updates, state = jax.jit(tx.update)(params, tx.init(params), params)
+  momentum = state.inner_state.momentum["w"]
+  assert momentum.dtype == jnp.complex64 and updates["w"].dtype == jnp.complex128
+  assert bool(jnp.all(jnp.isfinite(momentum))) and int(osf.skipped_steps(state)) == 0
+
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "kahan"])
 def test_a_param_at_the_float16_maximum_pushed_further(mode):
   # The documented difference between the modes at the range's edge (safefactor's
   # param_rounding): the update itself is finite in every mode, but "nearest" leaves the

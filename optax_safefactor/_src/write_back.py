@@ -343,7 +343,9 @@ def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
       stochastic_round(x, dtype, how.bits(x.shape, stream))
       if stochastic and needs_rounding(dtype, x.dtype)
       else jnp.where(jnp.isfinite(x), jnp.clip(x, -largest, largest), x).astype(dtype)
-      if largest < jnp.finfo(x.dtype).max else x.astype(dtype)
+      # Real values only, as rounding.saturating_cast: a complex momentum is cast as it is.
+      if jnp.issubdtype(x.dtype, jnp.floating) and largest < jnp.finfo(x.dtype).max
+      else x.astype(dtype)
       for x, stream in zip(values, streams, strict=True)
   ])
 
