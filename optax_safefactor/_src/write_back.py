@@ -197,7 +197,10 @@ def _landing_update_wide(param_wide: jax.Array, target_wide: jax.Array, dtype: D
   info = jnp.finfo(dtype)
   top_ulp = float(info.eps) * 2.0 ** (info.maxexp - 1)
   past = jnp.abs(param_wide + update) >= jnp.asarray(float(info.max) + top_ulp / 2, update.dtype)
-  return jnp.where(past, update - jnp.copysign(jnp.asarray(top_ulp, update.dtype), update), update)
+  # A select on the sign, not copysign: that reads the bit pattern (no such reads on TPUs
+  # and GPUs, tests/test_accelerators.py).
+  step_back = jnp.where(update < 0, jnp.asarray(-top_ulp, update.dtype), top_ulp)
+  return jnp.where(past, update - step_back, update)
 
 
 def _landed_wide(param_wide: jax.Array, update_wide: jax.Array, dtype: DTypeLike):
