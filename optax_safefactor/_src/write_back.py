@@ -328,7 +328,7 @@ def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
           streams: tuple[int, ...]) -> tuple[jax.Array, ...]:
   r"""Wide ``values`` written into state of ``dtype``, each with the bits of its stream.
 
-  Finite values past ``dtype``'s range saturate at its largest value, NaN and Inf pass
+  Finite real values past ``dtype``'s range saturate at its largest value, NaN and Inf pass
   (:func:`rounding.saturate`, in every mode). Rounded to nearest, or stochastically
   (:math:`\mathbb{E}[\mathrm{store}(x)] = x`) with ``"stochastic"`` rounding when
   ``dtype`` is narrower than the values, so that a bfloat16 moving average keeps moving.
