@@ -91,6 +91,20 @@ def test_unclipped_momentum_is_checked_without_a_full_size_temporary(dtype):
   assert ours < 0.5 * 4 * 256 * 512, ours
 
 
+@pytest.mark.xla_memory_layout
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_bfloat16_momentum_on_the_clipping_pass_keeps_no_float32_copy(dtype):
+  # With clipping, the old momentum's finiteness rides on the clipping reduction. Its
+  # float32 upcast, shared with the update's blend, was written out in full for that
+  # reduction and kept for the whole tree (18.1 float32 leaves here); read on its own it
+  # fuses into the reduction (6.1). What stays is one bfloat16 copy of each old momentum:
+  # the new momentum is written over it while the update still reads it.
+  params = {f"w{i}": jnp.ones((256, 512), dtype) for i in range(12)}
+  momentum_bytes = 2 * 256 * 512 * len(params)
+  ours = _temp_bytes(osf.safefactor(1e-3, momentum=0.9, dtype_momentum="bfloat16"), params)
+  assert ours < momentum_bytes + 0.45 * 4 * 256 * 512, (ours / momentum_bytes, ours)
+
+
 def _barriers(params, **settings) -> int:
   tx = osf.safefactor(1e-3, **settings)
   hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text(dialect="hlo")

@@ -399,8 +399,9 @@ def leaf_scaling(
 
   # The old momentum is blended into the update, so NaN there must skip the step. With
   # clipping its finiteness rides on the clipping reduction, which reads the scaled
-  # gradient anyway: no reduction of its own (tests/test_compile.py). Without a guard
-  # nothing reads the verdict: the momentum is not read before it is blended.
+  # gradient anyway: no reduction of its own (tests/test_compile.py). A narrow momentum is
+  # read on its own there: its upcast, shared with the blend, was kept in full on the CPU.
+  # Without a guard nothing reads the verdict: the momentum is not read before it is blended.
   momentum_on_clipping = clipping and momentum is not None and hp.skip_nonfinite_steps
   # The full-size reads of this half's reductions, in the compute dtype. A narrow param is
   # read on its own, so that its upcast fuses into its reduction and no wide copy of it is
@@ -411,7 +412,7 @@ def leaf_scaling(
   if clipping:
     scaled = scale_by_factors(grad_read, factors)
     if momentum_on_clipping:
-      scaled = scaled + xla_hints.nan_unless_finite(momentum.astype(ct))
+      scaled = scaled + xla_hints.nan_unless_finite(xla_hints.fresh_read(momentum, ct))
     # The flag reads the sum, not the mean: see sum_abs_sq.
     square_sum, count = sum_abs_sq(scaled, plan.batch_axes)
     checked.append(square_sum)

@@ -96,7 +96,8 @@ def fresh_read(value: jax.Array, dtype: Any) -> jax.Array:
   measured), since each barrier is HLO instructions per leaf that every compiler pass
   walks.
 
-  Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary`` and
+  Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary``,
+  ``test_a_bfloat16_momentum_on_the_clipping_pass_keeps_no_float32_copy`` and
   ``test_barriers_only_where_values_are_upcast``.
 
   >>> fresh_read(jnp.ones(2, jnp.bfloat16), jnp.float32).dtype
