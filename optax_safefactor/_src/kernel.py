@@ -24,8 +24,8 @@ float64 for float64 inputs) and statistics are stored in the state dtype.
 The step is split in two halves around the skip decision: :func:`leaf_scaling`
 produces the new statistics, the small arrays that scale the gradient, and whether
 anything it saw was non-finite; :func:`leaf_update` then builds the update from the
-gradient and those small arrays. No full-size array crosses from one half to the
-other, which is what keeps the step's temporaries small (see ``xla_hints.py``).
+gradient and those small arrays. No full-size array but an unfactored leaf's statistic
+crosses from one half to the other, which is what keeps the step's temporaries small.
 """
 
 from __future__ import annotations
@@ -465,14 +465,25 @@ def leaf_update(
   """
   ct = leaf.compute_dtype
   factors, multiplier = xla_hints.unmergeable((scaling.factors, scaling.multiplier))
+  if (step_finite is not None and isinstance(moment, FullMoment) and not leaf.rows_are_leaves
+      and not (leaf.rounding is not None and leaf.rounding.stochastic)):
+    # An unfactored leaf's statistic and factor are full-size: computed again where a
+    # compiler would keep them across the verdict (with NaN carried, not a flag to compute).
+    def again(grad, v, beta2, complement, floor):
+      (new,), _ = update_second_moment(grad, FullMoment(v), leaf.plan,
+                                       Decay(beta2, complement), hp.eps, ct)
+      return [new, *scale_factors(FullMoment(new), leaf.plan, floor, None, poison=True)[0].factors]
+    grad, old, new_v, factor = xla_hints.computed_again(
+        again, [grad, moment.v], [*step.decay[leaf.real_dtype], leaf.floor],
+        [new_moment.v, factors.factors[0]])
+    moment, new_moment, factors = FullMoment(old), FullMoment(new_v), ScaleFactors((factor,), None)
   update = scale_by_factors(grad.astype(ct), factors)
   if multiplier is not None:
     update = update * multiplier.astype(ct)
   new_momentum = None
   if momentum is not None:
     blended = momentum_blend(update, momentum, jnp.asarray(hp.momentum, leaf.real_dtype))
-    (stored,) = store((blended,), momentum.dtype, leaf.rounding,
-                      (bit_streams.STREAM_MOMENTUM,))
+    (stored,) = store((blended,), momentum.dtype, leaf.rounding, (bit_streams.STREAM_MOMENTUM,))
     new_momentum = keep_unless_skipped(step_finite, stored, momentum)
     # Reading the update back from the kept state lets the state be written in place;
     # when the state is narrower than the compute dtype, use the exact value.

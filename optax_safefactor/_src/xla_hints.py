@@ -3,22 +3,16 @@
 Each helper changes how XLA fuses or schedules the step, never what it computes, and
 each names the compilers on which it was measured to pay (:data:`MEASURED_ON_CPU`,
 :data:`MEASURED_ON_CPU_AND_GPU`, :data:`MEASURED_ON_GPU`, :data:`MEASURED_ON_TPU`): it is
-applied only there.
-Elsewhere the helper is the plain computation it stands for, so that on XLA:TPU the step is
-the algorithm as written (with one barrier between units in an unguarded step), and on
-XLA:GPU it keeps four barriers, on the scale factors, on stochastic rounding's keys, on the
-step's scalars and on the leaves' finite flags (docs/benchmarks.md, "Accelerator
-compilers": the CPU's hints cost the TPU program 13-18% more memory traffic).
+applied only there. Elsewhere it is the plain computation it stands for: on XLA:TPU the
+step is the algorithm as written, with one barrier between units in an unguarded step
+(docs/benchmarks.md, "Accelerator compilers": the CPU's hints cost the TPU 13-18% more traffic).
 
-The choice is made when the program is lowered for a platform, not when it is traced: a
-step traced on a CPU host and compiled for a TPU (ahead of time, or by
-``python -m optax_safefactor bench --target tpu-v5e``) gets the TPU's program. A hint on
-each leaf is one primitive (:func:`per_compiler.choose`) whose lowering rule picks the hinted or
-the plain computation; ``jax.lax.platform_dependent`` would trace both and lower a
-conditional per hint (1.2 ms per call on the 2-core CPU, measured: seconds on a tree of
-hundreds of leaves), so it is used only for the step's few global hints. Each hint is
-pinned by the test named in its docstring, so removing or breaking a hint fails a test
-rather than silently costing memory or compile time.
+The choice is made when the program is lowered, not traced: a step traced on a CPU host
+and compiled for a TPU gets the TPU's program. A hint on each leaf is one primitive
+(:func:`per_compiler.choose`) whose lowering picks a form; ``jax.lax.platform_dependent``
+(1.2 ms a call on the 2-core CPU, seconds on hundreds of leaves) serves the step's few
+global hints only. Each hint is pinned by the test its docstring names, so removing or
+breaking one fails a test rather than silently costing memory or compile time.
 """
 
 from __future__ import annotations
@@ -120,11 +114,10 @@ def read_after(value: jax.Array, written: jax.Array) -> tuple[jax.Array, jax.Arr
   momentum, a unit's gradient waits for that unit's update, and each leaf's work stays
   together. The 1B slice with ``momentum=0.9, skip_nonfinite_steps=False``, compiled for
   TPU v5e without a device: 6.81 passes against 7.66 without it in float32, 8.02 against
-  9.25 in bfloat16 (optax.adafactor: 7.56 and 8.36), the 600-leaf tree 5.04 against 6.04,
-  GPT-2 small and the scanned tree within 0.15 pass; some small trees of 16 to 32 MB leaves
-  moved more with it (docs/benchmarks.md, "Unit after unit without a guard"). On H100 the 1B slice's
-  bytes were the same either way and GPT-2 small's update kernels were no longer shared
-  (589 fusions against 442), so it is applied on :data:`MEASURED_ON_TPU`. The momentum is
+  9.25 in bfloat16 (optax.adafactor: 7.56 and 8.36; other trees in docs/benchmarks.md, "Unit
+  after unit without a guard"). On H100 the 1B slice's bytes were the same either way and
+  GPT-2 small's update kernels were no longer shared (589 fusions against 442), so it is
+  applied on :data:`MEASURED_ON_TPU`. The momentum is
   the link because it is written in full anyway; passing the update through the barrier
   instead wrote it out in full (temporaries of 0.27x the params).
 
@@ -149,10 +142,9 @@ def read_after_update(value: jax.Array, statistics: T, update: jax.Array) -> tup
   the unit's reductions, which read them, wait for the previous unit's update. The 1B
   slice with ``skip_nonfinite_steps=False``, compiled for TPU v5e without a device: 4.01
   passes against 5.12 in bfloat16, 4.68 against 5.66 in float32 (optax.adafactor: 4.36 and
-  5.84); the scanned tree 0.1-0.4 pass fewer, GPT-2 small the same, the 600-leaf tree 3.04
-  and 3.08 against 3.47 and 4.08 (docs/benchmarks.md, "Unit after unit without a guard or
-  momentum"). An update not known to be whole on every device (:func:`placement.is_replicated`)
-  is not linked: its largest magnitude would be a collective.
+  5.84; other trees in docs/benchmarks.md, "Unit after unit without a guard or momentum").
+  An update not known to be whole on every device (:func:`placement.is_replicated`) is not
+  linked: its largest magnitude would be a collective.
 
   Pinned by ``tests/test_accelerators.py::test_unguarded_steps_run_unit_after_unit_on_tpu``,
   ``tests/test_accelerators.py::test_an_unguarded_step_moves_less_than_optax_on_tpu`` and
@@ -184,6 +176,30 @@ def _after_largest(value: jax.Array, update: jax.Array,
   zero = jax.lax.shift_right_logical(jax.lax.shift_right_logical(bits, np.uint32(31)),
                                      np.uint32(1))
   return [value, update, *[s + zero.astype(s.dtype) for s in statistics]]
+
+
+def computed_again(compute: Callable[..., list[jax.Array]], reads: Sequence[jax.Array],
+                   scalars: Sequence[jax.Array], kept: Sequence[jax.Array]) -> list[jax.Array]:
+  """``[*reads, *kept]``: full-size arrays to read, and values of the step's first half; on
+  GPUs ``[*reads, *compute(*reads, *scalars)]``: the reads as new values, computed again.
+
+  An unfactored leaf's statistic and factor are full-size, and the guard's verdict waits
+  for every leaf's first half. Kept across it on H100 (compiled without a device, 4
+  float32 leaves), every leaf's were temporaries at once, 1.00x the params' bytes, and
+  the step moved 10.00 passes; computed again, none and 8.00 (optax.adafactor 9.00).
+  XLA:TPU computes them again itself; on the CPU, computed again, a mesh's step no longer
+  equalled the single device's bit for bit.
+
+  Pinned by ``tests/test_accelerators.py::test_unfactored_leaves_recompute_on_a_gpu``.
+  """
+  n, m = len(reads), len(scalars)
+
+  def again(*args):
+    fresh = per_compiler.barrier(*args[:n])
+    return [*fresh, *compute(*fresh, *args[n:n + m])]
+
+  return per_compiler.choose(MEASURED_ON_GPU, again, lambda *xs: [*xs[:n], *xs[n + m:]],
+                             [*reads, *scalars, *kept], [jax.typeof(x) for x in [*reads, *kept]])
 
 
 def step_scalars(*values: jax.Array) -> list[jax.Array]:
@@ -393,13 +409,10 @@ def leaf_cap(cap: jax.Array, poison: jax.Array) -> jax.Array:
   Elsewhere the cap stays the constant it is, broadcast to the same shape. Where
   ``poison`` is NaN the product it caps is NaN already (the column factor carries the
   same poison) and ``jnp.minimum`` returns NaN when either operand is, so the capped
-  scale is the same. On XLA:TPU the leaf's own array was one more small operand of every
-  leaf's update kernel, which the compiler then placed on chip for some leaves and not
-  for others, compiling one kernel per placement: the 1B slice's bfloat16 step compiled 75
-  kernels and moved 5.63 passes with it, 57 kernels and 5.19 passes without, in 9.1 s
-  against 5.3 s (compiled without a device; docs/benchmarks.md, "The cap on TPU v5e and
-  H100"). On H100 the bytes are the same either way, and the plain form compiled faster in
-  5 of 7 configurations measured.
+  scale is the same. On XLA:TPU the leaf's own array made one kernel per on-chip
+  placement (the 1B slice in bfloat16: 75 kernels and 5.63 passes, against 57 and 5.19),
+  and on H100 the plain form compiled faster (docs/benchmarks.md, "The cap on TPU v5e and
+  H100").
 
   Pinned by ``tests/test_compile.py::test_no_leaf_keeps_a_full_size_temporary`` (the CPU)
   and ``tests/test_accelerators.py::test_the_cap_is_each_leafs_own_array_on_the_cpu_only``.
