@@ -466,7 +466,7 @@ def leaf_update(
   ct = leaf.compute_dtype
   factors, multiplier = xla_hints.unmergeable((scaling.factors, scaling.multiplier))
   if (step_finite is not None and isinstance(moment, FullMoment) and not leaf.rows_are_leaves
-      and not (leaf.rounding is not None and leaf.rounding.stochastic)):
+      and not (leaf.rounding and leaf.rounding.stochastic and is_narrow(moment.v.dtype))):
     # An unfactored leaf's statistic and factor are full-size: computed again where a
     # compiler would keep them across the verdict (with NaN carried, not a flag to compute).
     def again(grad, v, beta2, complement, floor):

@@ -183,23 +183,23 @@ def computed_again(compute: Callable[..., list[jax.Array]], reads: Sequence[jax.
   """``[*reads, *kept]``: full-size arrays to read, and values of the step's first half; on
   GPUs ``[*reads, *compute(*reads, *scalars)]``: the reads as new values, computed again.
 
-  An unfactored leaf's statistic and factor are full-size, and the guard's verdict waits
-  for every leaf's first half. Kept across it on H100 (compiled without a device, 4
-  float32 leaves), every leaf's were temporaries at once, 1.00x the params' bytes, and
-  the step moved 10.00 passes; computed again, none and 8.00 (optax.adafactor 9.00).
-  XLA:TPU computes them again itself; on the CPU, computed again, a mesh's step no longer
-  equalled the single device's bit for bit.
+  An unfactored leaf's statistic and factor are full-size, and the verdict waits for every
+  leaf's first half: kept across it, on H100 they were temporaries of 1.00x the float32
+  params' bytes and 10.00 passes; computed again, none and 8.00 (docs/benchmarks.md). XLA:TPU
+  computes them again itself; on the CPU a mesh's step then no longer equalled one device's.
 
   Pinned by ``tests/test_accelerators.py::test_unfactored_leaves_recompute_on_a_gpu``.
   """
   n, m = len(reads), len(scalars)
 
-  def again(*args):
+  def again(*args):  # the scalars pass through, so that elsewhere all is per_compiler.unchanged
     fresh = per_compiler.barrier(*args[:n])
-    return [*fresh, *compute(*fresh, *args[n:n + m])]
+    return [*fresh, *args[n:n + m], *compute(*fresh, *args[n:n + m])]
 
-  return per_compiler.choose(MEASURED_ON_GPU, again, lambda *xs: [*xs[:n], *xs[n + m:]],
-                             [*reads, *scalars, *kept], [jax.typeof(x) for x in [*reads, *kept]])
+  args = [*reads, *scalars, *kept]
+  out = per_compiler.choose(MEASURED_ON_GPU, again, per_compiler.unchanged, args,
+                            [jax.typeof(x) for x in args])
+  return out[:n] + out[n + m:]
 
 
 def step_scalars(*values: jax.Array) -> list[jax.Array]:
