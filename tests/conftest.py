@@ -3,6 +3,8 @@
 import importlib.util
 import os
 import re
+import shutil
+import tempfile
 
 # With the accel extra installed (libtpu and the CUDA plugin, for compiling to TPUs and GPUs
 # without them: tests/test_accelerators.py), JAX would try to start both at every start, and
@@ -10,6 +12,19 @@ import re
 # starts run on the CPU there. Elsewhere (a GPU machine) JAX picks its platform as usual.
 if importlib.util.find_spec("libtpu") is not None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Most of the suite's time is XLA compiling, and many tests compile the same programs (the
+# same small trees through the same step, in this process, in the other workers and in the
+# subprocesses they start). One compilation cache for the whole run, which the workers and
+# subprocesses inherit through the environment, compiles each program once. It is made
+# empty for each run and removed after it, so no run reads another's programs. Not with the
+# accel extra: a program compiled for a TPU or GPU without one cannot be read back.
+_OWN_CACHE = ("JAX_COMPILATION_CACHE_DIR" not in os.environ
+              and importlib.util.find_spec("libtpu") is None)
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="optax-safefactor-tests-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 
@@ -51,6 +66,11 @@ def x64():
     yield
   finally:
     jax.config.update("jax_enable_x64", previous)
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE:  # the process that made the cache: the controller, after its workers
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
