@@ -26,7 +26,7 @@ if _OWN_CACHE:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")

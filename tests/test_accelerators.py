@@ -150,7 +150,7 @@ def test_each_leafs_finite_flag_is_computed_once_on_a_gpu(momentum):
 
 
 def test_unguarded_steps_run_unit_after_unit_on_tpu(target):
-  # xla_hints.read_after and read_after_update: without a guard, each unit's gradient
+  # unit_order.read_after and read_after_update: without a guard, each unit's gradient
   # passes one barrier with the previous unit's new momentum, or without momentum with its
   # update's largest magnitude (then a zero made by two shifts joins the unit's
   # statistics), on TPU (one per unit after the first), and nowhere else; with the guard
@@ -178,8 +178,8 @@ def test_unguarded_steps_run_unit_after_unit_on_tpu(target):
 def test_an_unguarded_step_moves_less_than_optax_on_tpu(momentum, most):
   # Two (8192, 2048) float32 leaves, no guard. With momentum: 7.50 passes in XLA:TPU's own
   # order (each update reads its gradient and param again after both leaves' scaling),
-  # 7.00 with each leaf's work kept together by xla_hints.read_after: optax.adafactor's.
-  # Without: 5.00 in XLA:TPU's order, 4.50 by xla_hints.read_after_update (optax 5.50).
+  # 7.00 with each leaf's work kept together by unit_order.read_after: optax.adafactor's.
+  # Without: 5.00 in XLA:TPU's order, 4.50 by unit_order.read_after_update (optax 5.50).
   target = _required("tpu-v5e")
   shapes = {f"w{i}": jax.ShapeDtypeStruct((8192, 2048), jnp.float32) for i in range(2)}
   optax_passes, _ = _passes(target, optax.adafactor(1e-3, momentum=momentum), shapes)
@@ -189,7 +189,7 @@ def test_an_unguarded_step_moves_less_than_optax_on_tpu(momentum, most):
 
 
 def test_a_sharded_update_is_not_linked_on_tpu():
-  # xla_hints.read_after_update: the largest magnitude of an update split over devices
+  # unit_order.read_after_update: the largest magnitude of an update split over devices
   # would be a collective per unit, so only whole updates link their units.
   target = _required("tpu-v5e")
   mesh = jax.sharding.Mesh(np.array(targets.devices(target.name)).reshape(2, 2),

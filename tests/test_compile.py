@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
-from optax_safefactor._src import trees, xla_hints
+from optax_safefactor._src import trees, unit_order, xla_hints
 from tests.helpers import distinct_loop_kernels
 
 
@@ -217,14 +217,14 @@ def test_leaves_of_other_sizes_share_kernels(momentum):
   assert (four - one) / 3 < (7.8 if momentum is None else 8.8), (one, four)
 
 
-_LINK = jax.jit(xla_hints._after_largest)
+_LINK = jax.jit(unit_order._after_largest)
 
 
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(pattern=st.integers(0, 2**32 - 1),
                   state_dtype=st.sampled_from(["float32", "bfloat16"]))
 def test_the_link_between_units_changes_no_value(pattern, state_dtype):
-  # xla_hints.read_after_update's TPU form, run here: the zero it makes from the previous
+  # unit_order.read_after_update's TPU form, run here: the zero it makes from the previous
   # update's largest magnitude is zero for every float32 bit pattern (NaN and Inf
   # included), so the gradient and the statistics come out bit for bit as they went in.
   update = jax.lax.bitcast_convert_type(jnp.array([pattern], jnp.uint32), jnp.float32)

@@ -61,7 +61,7 @@ def _primitives_in(path: pathlib.Path) -> set[str]:
 
 
 # The hints, and the primitive that lowers each one per platform.
-HINT_MODULES = ("xla_hints.py", "per_compiler.py")
+HINT_MODULES = ("xla_hints.py", "unit_order.py", "per_compiler.py")
 
 
 def test_compiler_hints_live_in_their_own_modules():
@@ -74,15 +74,17 @@ def test_compiler_hints_live_in_their_own_modules():
       assert not _primitives_in(path), (path.name, _primitives_in(path))
 
 
-def test_every_hint_is_used_and_pinned():
-  tree = ast.parse((SRC / "xla_hints.py").read_text())
+@pytest.mark.parametrize("module", ["xla_hints", "unit_order"])
+def test_every_hint_is_used_and_pinned(module):
+  tree = ast.parse((SRC / f"{module}.py").read_text())
   # Private helpers (the per-compiler primitive and the hints' hinted forms) serve the hints.
   hints = [node for node in tree.body
            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
-  others = " ".join(p.read_text() for p in SRC.glob("*.py") if p.name != "xla_hints.py")
+  assert hints, f"{module} has no hint"
+  others = " ".join(p.read_text() for p in SRC.glob("*.py") if p.name != f"{module}.py")
   tests = pathlib.Path(__file__).parent
   for hint in hints:
-    assert f"xla_hints.{hint.name}(" in others, f"{hint.name} is used nowhere"
+    assert f"{module}.{hint.name}(" in others, f"{hint.name} is used nowhere"
     pinned = re.findall(r"``(tests/\w+\.py)(?:::(\w+))?``", ast.get_docstring(hint))
     assert pinned, f"{hint.name} names no test that pins it"
     for test_file, test_name in pinned:

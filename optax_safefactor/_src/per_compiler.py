@@ -1,6 +1,7 @@
 """One computation in two forms, the form chosen per platform when the program is lowered.
 
-The compiler hints (:mod:`optax_safefactor._src.xla_hints`) each pair a hinted computation
+The compiler hints (:mod:`optax_safefactor._src.xla_hints`,
+:mod:`optax_safefactor._src.unit_order`) each pair a hinted computation
 with the plain one it stands for. :func:`choose` binds both as one primitive whose
 lowering rule picks the hinted form on the platforms named and the plain form everywhere
 else, so that a step traced on a CPU host and compiled for a TPU (ahead of time, or by

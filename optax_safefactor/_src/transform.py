@@ -29,6 +29,7 @@ from optax_safefactor._src import (
   spikes,
   state_checks,
   trees,
+  unit_order,
   write_back,
   xla_hints,
 )
@@ -302,18 +303,18 @@ def _unit_after_unit(hp: Hyperparams, step: schedules.StepValues,
   unit's update follows its own scaling.
 
   On the compilers where it pays, a unit's gradient is read only once the unit before it
-  has written its new momentum (:func:`xla_hints.read_after`), or without momentum its
-  update (:func:`xla_hints.read_after_update`), so that each leaf's reads and writes come
+  has written its new momentum (:func:`unit_order.read_after`), or without momentum its
+  update (:func:`unit_order.read_after_update`), so that each leaf's reads and writes come
   together rather than every leaf's scaling first and every update last.
   """
   first_half, second_half = [], []
   for grad, leaf, moment, param, momentum, compensation in inputs:
     if second_half and second_half[-1][1] is not None:
       update, written, *rest = second_half[-1]
-      grad, written = xla_hints.read_after(grad, written)
+      grad, written = unit_order.read_after(grad, written)
       second_half[-1] = (update, written, *rest)
     elif second_half:
-      grad, moment = xla_hints.read_after_update(grad, moment, second_half[-1][0])
+      grad, moment = unit_order.read_after_update(grad, moment, second_half[-1][0])
     new_moment, scaling, finite = kernel.leaf_scaling(hp, step, grad, leaf, moment, param,
                                                       momentum, compensation)
     first_half.append((new_moment, scaling, finite))
