@@ -188,6 +188,21 @@ def test_an_unguarded_step_moves_less_than_optax_on_tpu(momentum, most):
   assert passes <= (optax_passes if most is None else most) + 0.01
 
 
+def test_an_empty_update_links_no_unit_on_tpu():
+  # unit_order.read_after_update: an empty leaf's update has no largest magnitude (a max
+  # over no elements has no identity), so the unit after it is not linked to it; the step
+  # still compiles for TPU, with the one link the other units make.
+  target = _required("tpu-v5e")
+  shapes = {"a": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+            "b": jax.ShapeDtypeStruct((0, 64), jnp.float32),
+            "c": jax.ShapeDtypeStruct((384, 128), jnp.float32)}
+  tx = osf.safefactor(1e-3, skip_nonfinite_steps=False)
+  text = _lowered_text(targets.devices(target.name)[0], tx, shapes)
+  assert text.count("optimization_barrier") == 1  # b after a; c after the empty b: none
+  program, _ = compiled.compile_for(target, tx, shapes)
+  assert program.memory_analysis() is not None
+
+
 def test_a_sharded_update_is_not_linked_on_tpu():
   # unit_order.read_after_update: the largest magnitude of an update split over devices
   # would be a collective per unit, so only whole updates link their units.
