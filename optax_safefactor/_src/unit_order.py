@@ -72,11 +72,12 @@ def read_after_update(value: jax.Array, statistics: T, update: jax.Array) -> tup
   passes against 5.12 in bfloat16, 4.68 against 5.66 in float32 (optax.adafactor: 4.36 and
   5.84; other trees in docs/benchmarks.md, "Unit after unit without a guard or momentum").
   An update not known to be whole on every device (:func:`placement.is_replicated`) is not
-  linked: its largest magnitude would be a collective.
+  linked: its largest magnitude would be a collective. Nor is an empty one, which has none.
 
   Pinned by ``tests/test_accelerators.py::test_unguarded_steps_run_unit_after_unit_on_tpu``,
-  ``tests/test_accelerators.py::test_an_unguarded_step_moves_less_than_optax_on_tpu`` and
-  ``tests/test_accelerators.py::test_a_sharded_update_is_not_linked_on_tpu``; its values by
+  ``tests/test_accelerators.py::test_an_unguarded_step_moves_less_than_optax_on_tpu``,
+  ``tests/test_accelerators.py::test_a_sharded_update_is_not_linked_on_tpu`` and
+  ``tests/test_accelerators.py::test_an_empty_update_links_no_unit_on_tpu``; its values by
   ``tests/test_compile.py::test_the_link_between_units_changes_no_value``.
 
   >>> value, statistics = read_after_update(jnp.ones(2), [jnp.full(1, 3.0)], jnp.zeros(2))
