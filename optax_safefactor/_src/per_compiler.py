@@ -59,6 +59,12 @@ def unchanged(*values: jax.Array) -> list[jax.Array]:
   return list(values)
 
 
+def barrier_on(platforms: Sequence[str], values: Sequence[jax.Array]) -> list[jax.Array]:
+  """``values`` through one optimization barrier in a program lowered for one of
+  ``platforms``, as they are elsewhere."""
+  return choose(platforms, barrier, unchanged, values, [jax.typeof(v) for v in values])
+
+
 def _lowering_for(platform: str) -> Callable[..., Any]:
   def lower(ctx, *args, platforms, hinted, plain, out_avals):
     del out_avals

@@ -51,11 +51,7 @@ def read_after(value: jax.Array, written: jax.Array) -> tuple[jax.Array, jax.Arr
   >>> [x.tolist() for x in read_after(jnp.ones(2), jnp.zeros(1))]  # eager: unchanged
   [[1.0, 1.0], [0.0]]
   """
-  if not isinstance(value, jax.core.Tracer):
-    return value, written  # eager: nothing to schedule
-  value, written = per_compiler.choose(MEASURED_ON_TPU, per_compiler.barrier,
-                                       per_compiler.unchanged, [value, written],
-                                       [jax.typeof(value), jax.typeof(written)])
+  value, written = per_compiler.barrier_on(MEASURED_ON_TPU, [value, written])
   return value, written
 
 

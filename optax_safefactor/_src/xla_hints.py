@@ -57,8 +57,7 @@ def _barrier_on(platforms: Sequence[str], values: Sequence[jax.Array]) -> list[j
   values = list(values)
   for value in values:
     if isinstance(value, jax.core.Tracer):
-      return per_compiler.choose(platforms, per_compiler.barrier, per_compiler.unchanged,
-                                 values, [jax.typeof(v) for v in values])
+      return per_compiler.barrier_on(platforms, values)
   return values  # eager: nothing to schedule
 
 
