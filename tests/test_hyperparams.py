@@ -342,7 +342,7 @@ def test_a_mask_function_left_out_of_inject_hyperparams_static_args_warns():
   tx = optax.inject_hyperparams(osf.safefactor)(
       learning_rate=1e-2, weight_decay_rate=0.1, weight_decay_mask=mask)
   with pytest.warns(UserWarning, match=r"weight_decay_mask is False for every param, so "
-                                       r"weight_decay_rate has no effect .*static_args"):
+                                       r"no param is decayed .*static_args"):
     tx.init(PARAMS)
   for decaying in ({"dense": {"kernel": False, "bias": False}}, False):
     with pytest.warns(UserWarning, match="weight_decay_mask is False for every param"):

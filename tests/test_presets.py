@@ -526,7 +526,7 @@ def test_own_argument_errors():
     osf.presets.torch(lr=-1.0)
   with pytest.raises(ValueError, match="param_rounding"):
     osf.presets.big_vision(1e-3, param_rounding="stochastic")
-  with pytest.raises(ValueError, match="need skip_nonfinite_steps=True"):
+  with pytest.raises(ValueError, match=r"skip_spikes .* needs skip_nonfinite_steps=True"):
     osf.presets.big_vision(1e-3, skip_nonfinite_steps=False, skip_spikes=6.0)
 
 
@@ -743,6 +743,53 @@ def test_a_preset_warns_of_a_value_chosen_for_what_its_original_ignores(build, m
   # The originals ignore them silently, and so did the presets: a value the user chose
   # was dropped without a word. It is named as the preset's own argument.
   with pytest.warns(UserWarning, match=message):
+    build()
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: osf.presets.transformers(weight_decay_mask=lambda p: p),
+     r"presets.transformers\(\): weight_decay_mask selects the params that weight_decay "
+     r"decays, and none is set"),
+    (lambda: osf.presets.torch(weight_decay_mask=lambda p: p),
+     r"presets.torch\(\): weight_decay_mask selects the params that weight_decay decays"),
+    (lambda: osf.presets.torch(max_parameter_scale=1e-5),
+     r"presets.torch\(\): eps\[1\]=0.001 is above max_parameter_scale=1e-05"),
+    (lambda: osf.presets.t5x(1e-2, epsilon2=0.5, max_parameter_scale=0.1),
+     r"presets.t5x\(\): epsilon2=0.5 is above max_parameter_scale=0.1"),
+    (lambda: osf.presets.transformers(beta1=None, dtype_momentum="bfloat16"),
+     r"presets.transformers\(\): dtype_momentum='bfloat16' is the momentum's dtype, and beta1 "
+     r"is None"),
+    (lambda: osf.presets.transformers(scale_parameter=False, max_parameter_scale=3.0),
+     r"presets.transformers\(\): max_parameter_scale=3.0 bounds the parameter scale, and "
+     r"scale_parameter=False"),
+    # With steps after safefactor's, the guard moves out of it and checks the window again.
+    (lambda: osf.presets.big_vision(1e-2, spike_window=3),
+     r"presets.big_vision\(\): spike_window=3 sets the spike rule's history"),
+    (lambda: osf.presets.torch(rounding_seed=3),
+     r"presets.torch\(\): rounding_seed=3 seeds stochastic rounding's bits"),
+], ids=["transformers-mask", "torch-mask", "torch-scales", "t5x-scales", "transformers-dtype",
+        "transformers-scale-bound", "big_vision-window", "torch-seed"])
+def test_safefactors_warnings_through_a_preset_name_its_arguments_at_the_callers_line(
+    build, message):
+  # They named safefactor's settings (weight_decay_rate, min_parameter_scale, momentum),
+  # which these presets do not take, and pointed at the presets' own module.
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    build()
+  assert len(caught) == 1, [str(w.message) for w in caught]
+  assert re.match(message, str(caught[0].message)), str(caught[0].message)
+  assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("build", [
+    lambda: osf.presets.transformers(weight_decay=0.1, max_consecutive_skips=0),
+    lambda: osf.presets.big_vision(1e-2, wd=0.1, max_consecutive_skips=0),
+    lambda: osf.presets.t5x(1e-2, max_consecutive_skips=0),
+], ids=["transformers-decay-after", "big_vision", "t5x"])
+def test_a_preset_names_the_guards_setting_as_the_user_passed_it(build):
+  # With steps after safefactor's the guard is skip_nonfinite's, whose own argument is
+  # max_consecutive: the error named that, which the preset does not take.
+  with pytest.raises(ValueError, match=r"^max_consecutive_skips must be a positive int"):
     build()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,16 +15,18 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_safefactor._src import hyperparams, write_back
+from optax_safefactor._src import hyperparams, transform, write_back
 from optax_safefactor._src.alias import safefactor
 from optax_safefactor._src.guard import skip_nonfinite
+from optax_safefactor._src.hyperparams import Hyperparams
 
 Schedule = Callable[[jax.Array], ArrayLike]
 
 SAFEFACTOR_ARGUMENTS = tuple(inspect.signature(safefactor).parameters)
-_DEFAULT_ROUNDING = inspect.signature(safefactor).parameters["param_rounding"].default
-_GUARD_ARGUMENTS = ("skip_nonfinite_steps", "max_consecutive_skips", "checked", "skip_spikes",
-                    "spike_window")
+# What the guard of a chain with steps after safefactor's takes over.
+_GUARD_SETTINGS = ("max_consecutive_skips", "checked", "skip_spikes", "spike_window")
+_SAFEFACTOR_DEFAULTS = {name: parameter.default for name, parameter
+                        in inspect.signature(safefactor).parameters.items()}
 
 
 def given(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -159,22 +162,54 @@ def check_overrides(preset: str, overrides: Mapping[str, Any],
           f"osf.safefactor, and this preset leaves these free: {', '.join(free)}")
 
 
+def own_names(taken: Mapping[str, str]) -> dict[str, str]:
+  """The preset's own name for each ``safefactor`` setting in ``taken`` (as
+  :func:`check_overrides` takes it) that comes from its arguments: the first one named.
+
+  >>> own_names({"eps": "eps[0]", "weight_decay_rate": "weight_decay and lr",
+  ...            "learning_rate": "lr, relative_step and warmup_init", "factored": "(fixed)"})
+  {'eps': 'eps[0]', 'weight_decay_rate': 'weight_decay', 'learning_rate': 'lr'}
+  """
+  return {field: re.split(r"[ ,]", own)[0] for field, own in taken.items()
+          if not own.startswith("(")}
+
+
 def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
-          *, before: Sequence[optax.GradientTransformation] = (),
+          *, taken: Mapping[str, str], before: Sequence[optax.GradientTransformation] = (),
           after: Sequence[optax.GradientTransformation] = ()
           ) -> optax.GradientTransformationExtraArgs:
   """``safefactor(**settings, **overrides)``, between stateless ``before`` steps and
   ``after`` steps that change its update.
 
-  With ``after`` steps, ``safefactor``'s own guard would skip its part only, so the guard
-  moves out and judges the whole chain (``skip_nonfinite`` with the same settings), and a
-  rounding write-back, which must be the final step, is refused.
+  ``safefactor``'s errors and warnings call a setting by the preset's own argument it comes
+  from (``taken``, as :func:`check_overrides` takes it), and its warnings name the preset
+  and point at the line that called it, where the user can act on them.
   """
-  arguments = {**_without_unused(settings), **given(overrides)}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx = _assembled(preset, {**_without_unused(settings), **given(overrides)},
+                    own_names(taken), before, after)
+  # The guard's own checks may repeat a warning the settings' checks gave: once is enough.
+  for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
+    # The preset's caller: build is called by the preset.
+    warnings.warn(f"presets.{preset}(): {message}", category, stacklevel=3)
+  return tx
+
+
+def _assembled(preset: str, arguments: dict[str, Any], names: Mapping[str, str],
+               before: Sequence[optax.GradientTransformation],
+               after: Sequence[optax.GradientTransformation]
+               ) -> optax.GradientTransformationExtraArgs:
+  """The chain of :func:`build`. With ``after`` steps, ``safefactor``'s own guard would skip
+  its part only, so the guard moves out and judges the whole chain (``skip_nonfinite`` with
+  the same settings), and a rounding write-back, which must be the final step, is refused."""
+  # Every setting judged as safefactor judges it, the guard's included.
+  settings = hyperparams.validate(Hyperparams.of({**_SAFEFACTOR_DEFAULTS, **arguments}),
+                                  dict(names))
   if not after:
-    tx = safefactor(**arguments)
+    tx = transform.adafactor(settings)
     return optax.with_extra_args_support(optax.chain(*before, tx)) if before else tx
-  rounding = arguments.get("param_rounding", _DEFAULT_ROUNDING)
+  rounding = settings.param_rounding
   if write_back.rounds_onto_params(rounding):
     # Only stochastic rounding draws bits: the seed is offered with it alone.
     seed = arguments.get("rounding_seed")
@@ -185,13 +220,14 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
         "as the original does. Round the preset's final update instead: "
         f"osf.with_param_rounding(osf.presets.{preset}(...), {rounding!r}{seed}), with this "
         "preset's param_rounding left at 'nearest'")
-  guard = {name: arguments.pop(name) for name in _GUARD_ARGUMENTS if name in arguments}
-  inner = optax.chain(*before, safefactor(**arguments, skip_nonfinite_steps=False), *after)
-  if not guard.pop("skip_nonfinite_steps", True):
-    if guard:
-      raise ValueError(f"presets.{preset}(): {', '.join(guard)} need skip_nonfinite_steps=True")
+  unguarded = settings._replace(
+      skip_nonfinite_steps=False,
+      **{name: Hyperparams._field_defaults[name] for name in _GUARD_SETTINGS})
+  inner = optax.chain(*before, transform.adafactor(unguarded), *after)
+  if not settings.skip_nonfinite_steps:
     return optax.with_extra_args_support(inner)
-  return skip_nonfinite(inner, guard.pop("max_consecutive_skips", None), **guard)
+  return skip_nonfinite(inner, settings.max_consecutive_skips, checked=settings.checked,
+                        skip_spikes=settings.skip_spikes, spike_window=settings.spike_window)
 
 
 def _without_unused(settings: dict[str, Any]) -> dict[str, Any]:

@@ -207,7 +207,7 @@ def big_vision(
     after.append(optax.add_decayed_weights(-wd, mask))
   if schedule is not None:
     after.append(optax.scale_by_schedule(schedule))
-  return preset_assembly.build("big_vision", settings, overrides, after=after)
+  return preset_assembly.build("big_vision", settings, overrides, taken=taken, after=after)
 
 
 # t5x ------------------------------------------------------------------------------------
@@ -497,4 +497,4 @@ def t5x(
   if preset_assembly.injected(clip):  # an injected 0 is no clipping, as a number 0 is
     clip = jnp.where(clip > 0, clip, jnp.inf)
   before = [optax.clip_by_global_norm(clip)] if preset_assembly.is_set(clip) else []
-  return preset_assembly.build("t5x", settings, overrides, before=before)
+  return preset_assembly.build("t5x", settings, overrides, taken=taken, before=before)

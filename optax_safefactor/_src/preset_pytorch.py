@@ -207,7 +207,7 @@ def transformers(
       after.append(decay)
     else:
       settings["weight_decay_rate"] = preset_assembly.times(weight_decay, learning_rate)
-  return preset_assembly.build("transformers", settings, overrides, after=after)
+  return preset_assembly.build("transformers", settings, overrides, taken=taken, after=after)
 
 
 def _pair(preset: str, eps: Any) -> tuple[Any, Any]:
@@ -328,4 +328,4 @@ def torch(
       weight_decay_rate=(preset_assembly.times(weight_decay, lr)
                          if preset_assembly.is_set(weight_decay) else None))
   before = [optax.scale(-1.0)] if maximize else []
-  return preset_assembly.build("torch", settings, overrides, before=before)
+  return preset_assembly.build("torch", settings, overrides, taken=taken, before=before)

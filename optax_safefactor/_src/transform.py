@@ -58,7 +58,7 @@ class AdafactorState(NamedTuple):
 
 
 _NOTHING_DECAYED = (
-    "weight_decay_mask is False for every param, so weight_decay_rate has no effect (under "
+    "weight_decay_mask is False for every param, so no param is decayed (under "
     "optax.inject_hyperparams a mask function must be among static_args, "
     "static_args=('weight_decay_mask',), or it is called with the step count)")
 
