@@ -10,6 +10,8 @@ CPU); ``docs/benchmarks.md`` has them with the cost of each mode.
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -730,3 +732,46 @@ def test_bfloat16_mlp_trains_like_float32_params():
   assert losses["nearest"] > 2 * reference, (reference, losses)
   for mode in ("stochastic", "kahan"):
     assert abs(losses[mode] / reference - 1) < 0.03, (mode, reference, losses)
+
+
+F32 = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+MIXED = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros(3)}
+
+
+@pytest.mark.parametrize("build,params,warns", [
+    (lambda: osf.safefactor(1e-3, param_rounding="kahan"), F32, True),
+    (lambda: osf.safefactor(1e-3, param_rounding="stochastic"), F32, True),
+    # Kahan compensates params alone; stochastic rounding writes narrow state that way too.
+    (lambda: osf.safefactor(1e-3, param_rounding="kahan", momentum=0.9,
+                            dtype_momentum="bfloat16"), F32, True),
+    (lambda: osf.safefactor(1e-3, param_rounding="stochastic", momentum=0.9,
+                            dtype_momentum="bfloat16"), F32, False),
+    (lambda: osf.safefactor(1e-3, param_rounding="stochastic", state_dtype="bfloat16"),
+     F32, False),
+    (lambda: osf.safefactor(1e-3, param_rounding="kahan"), MIXED, False),
+    (lambda: osf.safefactor(1e-3, param_rounding="stochastic"), MIXED, False),
+    (lambda: osf.safefactor(1e-3), F32, False),
+    (lambda: osf.safefactor(1e-3, param_rounding="kahan"), {}, False),
+    (lambda: osf.with_param_rounding(optax.sgd(1e-3), "stochastic"), F32, True),
+    (lambda: osf.with_param_rounding(optax.sgd(1e-3), "kahan"),
+     {**F32, "steps": jnp.zeros((), jnp.int32)}, True),
+    (lambda: osf.with_param_rounding(optax.sgd(1e-3), "kahan"), MIXED, False),
+    # with_param_rounding's mode rounds params only: a narrow inner state is the inner's.
+    (lambda: osf.with_param_rounding(
+        osf.safefactor(1e-3, momentum=0.9, dtype_momentum="bfloat16"), "stochastic"),
+     F32, True),
+])
+def test_a_rounding_mode_with_nothing_narrow_to_round_warns_at_init(build, params, warns):
+  # On float32 params every mode writes as round to nearest does, and the mode a user
+  # chose was dropped without a word.
+  tx = build()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx.init(params)
+  messages = [str(w.message) for w in caught
+              if re.search(r"rounds what is stored narrower than it is computed", str(w.message))]
+  assert len(messages) == int(warns), messages
+  if warns:
+    assert re.match(r"(param_rounding|mode)='(kahan|stochastic)' rounds .* and nothing here "
+                    r"is: it has no effect", messages[0])
+    assert caught[0].filename == __file__

@@ -167,6 +167,11 @@ def with_param_rounding(
   def init_fn(params):
     # Any dtype: inner decides about integer leaves; the rounding skips them.
     checks.check_init_params(params, any_dtype=True)
+    unrounded = write_back.nothing_to_round(
+        mode, [(_dtype(p), numerics.compute_dtype(_dtype(p))) for p in jax.tree.leaves(params)
+               if jnp.issubdtype(_dtype(p), jnp.floating)], "mode")
+    if unrounded:
+      warnings.warn(unrounded, UserWarning, stacklevel=2)
     compensation = None
     if keeps_compensation:
       # zeros_like keeps a concrete param's sharding (and an Explicit-axes tracer's).

@@ -102,6 +102,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   def init_fn(params):
     _check_64_bit_state(hp)
     planned = []
+    rounded = []  # (stored dtype, compute dtype) of what the write-back rounds
 
     def init_leaf(path, param):
       leaf = placement.leaf_placement(param)
@@ -116,10 +117,19 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       compensation = None
       if keeps_compensation and write_back.is_narrow(value.dtype):
         compensation = leaf.full(value.shape, 0, value.dtype)
+      wide = numerics.compute_dtype(value.dtype)
+      rounded.append((value.dtype, wide))
+      if write_back.draws_bits(hp.param_rounding):
+        # Stochastic rounding writes a narrow momentum and narrow statistics that way too.
+        rounded.extend((x.dtype, wide) for x in jax.tree.leaves((moment, momentum)))
       return moment, momentum, compensation, value
 
     per_leaf = jax.tree_util.tree_map_with_path(init_leaf, params, is_leaf=placement.is_box)
     warn_if_misspelt(hp.factor_rules, params, planned)
+    unused = write_back.nothing_to_round(hp.param_rounding, rounded,
+                                         state_too=write_back.draws_bits(hp.param_rounding))
+    if unused:
+      warnings.warn(unused, UserWarning, stacklevel=2)
     reference = jax.tree.map(lambda _: 0, params, is_leaf=placement.is_box)
     second_moment, momentum, compensation, values = unzip_leaf_results(reference, per_leaf, 4)
     if hp.weight_decay_rate is not None:

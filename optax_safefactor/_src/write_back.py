@@ -75,6 +75,31 @@ draw: it has no effect
           "does not draw: it has no effect")
 
 
+def nothing_to_round(mode: str, stored: list[tuple[Any, Any]],
+                     mode_name: str = "param_rounding", *, state_too: bool = False
+                     ) -> str | None:
+  """What to tell a user whose rounding ``mode`` finds nothing to round, else ``None``.
+  ``stored`` pairs each array the mode would write (a param; with ``state_too``, which
+  safefactor's stochastic rounding has, its momentum and statistics) with the dtype it is
+  computed in. An empty tree is not judged. A warning, not an error: a sweep over params'
+  dtypes with one mode is a fair use.
+
+  >>> print(nothing_to_round("kahan", [(jnp.float32, jnp.float32)]))
+  param_rounding='kahan' rounds what is stored narrower than it is computed (bfloat16 and \
+float16 params), and nothing here is: it has no effect
+  >>> nothing_to_round("stochastic", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32)])
+  >>> print(nothing_to_round("stochastic", [(jnp.float64, jnp.float64)], state_too=True))
+  param_rounding='stochastic' rounds what is stored narrower than it is computed (bfloat16 \
+and float16 params, momentum and statistics), and nothing here is: it has no effect
+  """
+  if not rounds_onto_params(mode) or not stored or any(
+      needs_rounding(dtype, wide) for dtype, wide in stored):
+    return None
+  what = "bfloat16 and float16 params" + (", momentum and statistics" if state_too else "")
+  return (f"{mode_name}={mode!r} rounds what is stored narrower than it is computed ({what}), "
+          "and nothing here is: it has no effect")
+
+
 def draws_bits(mode: str) -> bool:
   """Whether ``mode`` draws random bits, keyed by a seed (``"stochastic"``)."""
   return mode == "stochastic"
