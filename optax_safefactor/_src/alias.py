@@ -148,7 +148,8 @@ def safefactor(
       param pushed past the largest value on that value, or an ulp below it where no
       update in the param's dtype lands there (float16's 30000 cannot reach 65504: 35488
       lands on 65472, 35520 on Inf). The two rounding modes
-      need a ``learning_rate``: the rounded update must be the final one.
+      need a ``learning_rate``: the rounded update must be the final one. ``init`` warns
+      of a mode that finds nothing narrow to round (float32 params only, say).
     rounding_seed: an int keying ``"stochastic"``'s random bits, together with the
       step, the param's path and each element's index (so the bits are the same on
       any sharding or number of hosts). A seed other than 0 with another mode warns

@@ -107,7 +107,8 @@ def with_param_rounding(
   ``safefactor(..., param_rounding=...)`` inside rounds only its narrow momentum or
   statistics that way, and this transformation's ``mode`` decides the params'.
 
-  float32 and float64 params are untouched by every mode: their gradients reach
+  float32 and float64 params are untouched by every mode (``init`` warns where no param
+  is narrow, as the mode has no effect there): their gradients reach
   ``inner`` as they come (bfloat16 ones included) and their updates are ``inner``'s, bit
   for bit, in ``inner``'s dtype. A narrow param's update is in the param dtype, or with
   ``"nearest"`` in the gradient dtype, as optax casts it.
