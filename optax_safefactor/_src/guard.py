@@ -27,7 +27,6 @@ run there the same way, since a skipped step does not advance the count it reads
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 from typing import Any
 
@@ -44,6 +43,7 @@ from optax_safefactor._src import (
     reports,
     spikes,
     state_checks,
+    user_warnings,
     xla_hints,
 )
 from optax_safefactor._src.checked_mode import needs_checkify
@@ -414,7 +414,7 @@ def skip_nonfinite(
   checks.check_switch(checked, "checked")
   unused = spikes.unused_window(skip_spikes, spike_window)
   if unused:
-    warnings.warn(unused, UserWarning, stacklevel=2)
+    user_warnings.warn(unused)
   checks.check_positive_int(
       max_consecutive, "max_consecutive", none_ok=True,
       meaning=" (the number of consecutive skipped steps that raises NonFiniteStepsError; "

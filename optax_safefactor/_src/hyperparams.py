@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, numerics, spikes, write_back
+from optax_safefactor._src import checks, numerics, spikes, user_warnings, write_back
 from optax_safefactor._src.bit_streams import check_seed
 from optax_safefactor._src.plan import FactorRulesFn
 
@@ -318,7 +317,7 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
                   f"{name('weight_decay_rate')} decays, and none is set: it has no effect")
   for message in filter(None, unused):
     # The caller's caller: the line that built the optimizer.
-    warnings.warn(message, UserWarning, stacklevel=4)
+    user_warnings.warn(message)
 
 
 def _differs_from_default(hyperparams: Hyperparams, field: str) -> bool:

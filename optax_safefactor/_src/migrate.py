@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, placement
+from optax_safefactor._src import checks, placement, user_warnings
 from optax_safefactor._src.accumulate import AccumulationState
 from optax_safefactor._src.kernel import FactoredMoment, FullMoment, is_moment
 from optax_safefactor._src.plan import plan_from_stat_shapes
@@ -198,11 +197,10 @@ def migrate_from_optax(optax_state: Any, optimizer: optax.GradientTransformation
 
   for multi_steps in find_all(optax_state, optax.MultiStepsState):
     if not isinstance(multi_steps.mini_step, jax.core.Tracer) and int(multi_steps.mini_step):
-      warnings.warn(
+      user_warnings.warn(
           f"optax_state's MultiSteps holds {int(multi_steps.mini_step)} micro-batches "
           "accumulated since its last optimizer step, which the migrated state starts again "
-          "without: migrate right after an optimizer step to keep them", UserWarning,
-          stacklevel=2)
+          "without: migrate right after an optimizer step to keep them")
   migrated = _carry_wrapper_counts(optax_state,
                                    jax.tree.map(convert, target, is_leaf=is_adafactor_state))
   migrated = placement.boxed_like(boxed_target, migrated)

@@ -7,7 +7,6 @@ params; its float32 updates go through the same write-back as safefactor's own
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +21,7 @@ from optax_safefactor._src import (
     numerics,
     placement,
     state_checks,
+    user_warnings,
     write_back,
 )
 from optax_safefactor._src.trees import find_all, unzip_leaf_results
@@ -161,7 +161,7 @@ def with_param_rounding(
   bit_streams.check_seed("seed", seed)
   unused = write_back.unused_seed(mode, seed, "mode", "seed")
   if unused:
-    warnings.warn(unused, UserWarning, stacklevel=2)
+    user_warnings.warn(unused)
   inner = optax.with_extra_args_support(inner)
   keeps_compensation = write_back.keeps_compensation(mode)
 
@@ -172,7 +172,7 @@ def with_param_rounding(
         mode, [(_dtype(p), numerics.compute_dtype(_dtype(p))) for p in jax.tree.leaves(params)
                if jnp.issubdtype(_dtype(p), jnp.floating)], "mode")
     if unrounded:
-      warnings.warn(unrounded, UserWarning, stacklevel=2)
+      user_warnings.warn(unrounded)
     compensation = None
     if keeps_compensation:
       # zeros_like keeps a concrete param's sharding (and an Explicit-axes tracer's).

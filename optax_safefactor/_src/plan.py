@@ -15,7 +15,6 @@ from __future__ import annotations
 import difflib
 import math
 import types
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -24,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from optax_safefactor._src import checks, placement
+from optax_safefactor._src import checks, placement, user_warnings
 
 ROLES = ("row", "column", "batch", "none")
 
@@ -287,7 +286,7 @@ def warn_if_misspelt(factor_rules: Any, params: Any,
         params, is_leaf=is_masked)[0] if is_masked(node)]
     message = factor_rules.misspelt(paths_and_shapes, masked)
     if message is not None:
-      warnings.warn(message, UserWarning, stacklevel=3)
+      user_warnings.warn(message)
 
 
 def _key_path(path: Any) -> str:

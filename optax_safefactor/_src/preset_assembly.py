@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_safefactor._src import hyperparams, transform, write_back
+from optax_safefactor._src import hyperparams, transform, user_warnings, write_back
 from optax_safefactor._src.alias import safefactor
 from optax_safefactor._src.guard import skip_nonfinite
 from optax_safefactor._src.hyperparams import Hyperparams
@@ -124,8 +124,7 @@ def warn_unused(preset: Callable[..., Any], values: Mapping[str, Any], why: str)
   defaults = inspect.signature(preset).parameters
   for name, value in values.items():
     if not _same(value, defaults[name].default):
-      warnings.warn(f"presets.{preset.__name__}(): {name}={value!r} has no effect: {why}",
-                    UserWarning, stacklevel=3)
+      user_warnings.warn(f"presets.{preset.__name__}(): {name}={value!r} has no effect: {why}")
 
 
 def _same(value: Any, default: Any) -> bool:
@@ -192,7 +191,7 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   # The guard's own checks may repeat a warning the settings' checks gave: once is enough.
   for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
     # The preset's caller: build is called by the preset.
-    warnings.warn(f"presets.{preset}(): {message}", category, stacklevel=3)
+    user_warnings.warn(f"presets.{preset}(): {message}", category)
   return tx
 
 

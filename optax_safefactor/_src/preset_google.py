@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,7 +13,7 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
-from optax_safefactor._src import numerics, plan, preset_assembly
+from optax_safefactor._src import numerics, plan, preset_assembly, user_warnings
 from optax_safefactor._src.preset_assembly import Schedule
 
 # Both ------------------------------------------------------------------------------------
@@ -56,9 +55,9 @@ def _momentum_as_stored(momentum: Any, dtype_momentum: Any,
     return decay, jnp.where(decay == momentum, 1.0, (1 - momentum) / (1 - decay))
   decay = float(np.asarray(momentum, np.float64).astype(real))
   if decay >= 1 > momentum:
-    warnings.warn(f"{where} is {momentum!r}, which {real.name} rounds to 1: the original "
-                  "would never decay its momentum; the preset decays it by "
-                  f"{momentum!r}", UserWarning, stacklevel=3)
+    user_warnings.warn(f"{where} is {momentum!r}, which {real.name} rounds to 1: the original "
+                       "would never decay its momentum; the preset decays it by "
+                       f"{momentum!r}")
   if decay == momentum or decay >= 1:
     return momentum, None
   return decay, (1 - momentum) / (1 - decay)
@@ -191,8 +190,8 @@ def big_vision(
   mask = overrides.pop("weight_decay_mask", _big_vision_wd_mask)
   decays = preset_assembly.is_set(wd)
   if not decays and mask is not _big_vision_wd_mask:
-    warnings.warn("presets.big_vision(): weight_decay_mask says which params wd decays, and "
-                  "wd is 0: it has no effect", UserWarning, stacklevel=2)
+    user_warnings.warn("presets.big_vision(): weight_decay_mask says which params wd decays, and "
+                       "wd is 0: it has no effect")
   momentum, factor = _momentum_as_stored(_none_if_zero(momentum), dtype_momentum,
                                          "presets.big_vision(): momentum")
   settings = dict(

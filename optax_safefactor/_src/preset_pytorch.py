@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import kernel, numerics, preset_assembly
+from optax_safefactor._src import kernel, numerics, preset_assembly, user_warnings
 
 
 def _last_two_axes(path: Any, shape: tuple[int, ...]) -> tuple[str, ...] | None:
@@ -173,8 +172,8 @@ def transformers(
                                math.isfinite)
   if not scale_parameter and eps2 != inspect.signature(transformers).parameters["eps"].default[1]:
     # HF ignores it silently; a value chosen for it is warned of.
-    warnings.warn(f"presets.transformers(): eps[1]={eps2!r} has no effect: scale_parameter is "
-                  "False", UserWarning, stacklevel=2)
+    user_warnings.warn(f"presets.transformers(): eps[1]={eps2!r} has no effect: scale_parameter is "
+                       "False")
   if lr is not None and relative_step:
     raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
   if warmup_init and not relative_step:

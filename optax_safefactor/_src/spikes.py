@@ -21,7 +21,6 @@ reaches the same one. :func:`judge` decides; :func:`record` writes the new histo
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, numerics, placement, state_checks
+from optax_safefactor._src import checks, numerics, placement, state_checks, user_warnings
 
 # The standard deviation is at least this fraction of the mean's magnitude: over a nearly
 # constant history, with skip_spikes=6, no value within 12% of the mean is a spike.
@@ -185,11 +184,10 @@ def loss_given(extra_args: dict[str, Any]) -> jax.Array | None:
   if "value" not in extra_args:
     misnamed = [name for name in extra_args if "loss" in name.lower()]
     if misnamed:
-      warnings.warn(
+      user_warnings.warn(
           f"update() got {', '.join(f'{name}=' for name in misnamed)} but no value=: the "
           "spike rule judges the loss given as value= only (update(grads, state, params, "
-          "value=loss)), so this loss is ignored and only the gradient norm is judged",
-          UserWarning, stacklevel=3)
+          "value=loss)), so this loss is ignored and only the gradient norm is judged")
   return check_value(extra_args.get("value"))
 
 

@@ -9,7 +9,6 @@ the step's skip verdict from the leaves' flags, per leaf the second half
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -18,20 +17,21 @@ import numpy as np
 import optax
 
 from optax_safefactor._src import (
-  checks,
-  counters,
-  guard,
-  kernel,
-  numerics,
-  packing,
-  placement,
-  schedules,
-  spikes,
-  state_checks,
-  trees,
-  unit_order,
-  write_back,
-  xla_hints,
+    checks,
+    counters,
+    guard,
+    kernel,
+    numerics,
+    packing,
+    placement,
+    schedules,
+    spikes,
+    state_checks,
+    trees,
+    unit_order,
+    user_warnings,
+    write_back,
+    xla_hints,
 )
 from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.plan import Planner, warn_if_misspelt
@@ -129,14 +129,14 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     unused = write_back.nothing_to_round(hp.param_rounding, rounded,
                                          state_too=write_back.draws_bits(hp.param_rounding))
     if unused:
-      warnings.warn(unused, UserWarning, stacklevel=2)
+      user_warnings.warn(unused)
     reference = jax.tree.map(lambda _: 0, params, is_leaf=placement.is_box)
     second_moment, momentum, compensation, values = unzip_leaf_results(reference, per_leaf, 4)
     if hp.weight_decay_rate is not None:
       # A mask that does not fit the params fails here, not at the first step.
       masks = jax.tree.leaves(_decay_masks(hp.weight_decay_mask, values))
       if masks and all(mask is False or mask is np.False_ for mask in masks):
-        warnings.warn(_NOTHING_DECAYED, UserWarning, stacklevel=2)
+        user_warnings.warn(_NOTHING_DECAYED)
     state = AdafactorState(jnp.zeros([], jnp.int32), second_moment,
                            momentum if hp.momentum is not None else None,
                            compensation if keeps_compensation else None)

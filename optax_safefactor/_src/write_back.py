@@ -71,8 +71,9 @@ draw: it has no effect
   """
   if draws_bits(mode) or isinstance(seed, jax.core.Tracer) or int(np.asarray(seed)) == 0:
     return None
-  return (f"{seed_name}={seed!r} seeds stochastic rounding's bits, which {mode_name}={mode!r} "
-          "does not draw: it has no effect")
+  # As a number: optax.inject_hyperparams hands it over as an array.
+  return (f"{seed_name}={int(np.asarray(seed))} seeds stochastic rounding's bits, which "
+          f"{mode_name}={mode!r} does not draw: it has no effect")
 
 
 def nothing_to_round(mode: str, stored: list[tuple[Any, Any]],
