@@ -190,7 +190,6 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
                     own_names(taken), before, after)
   # The guard's own checks may repeat a warning the settings' checks gave: once is enough.
   for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
-    # The preset's caller: build is called by the preset.
     user_warnings.warn(f"presets.{preset}(): {message}", category)
   return tx
 
