@@ -17,21 +17,21 @@ import numpy as np
 import optax
 
 from optax_safefactor._src import (
-    checks,
-    counters,
-    guard,
-    kernel,
-    numerics,
-    packing,
-    placement,
-    schedules,
-    spikes,
-    state_checks,
-    trees,
-    unit_order,
-    user_warnings,
-    write_back,
-    xla_hints,
+  checks,
+  counters,
+  guard,
+  kernel,
+  numerics,
+  packing,
+  placement,
+  schedules,
+  spikes,
+  state_checks,
+  trees,
+  unit_order,
+  user_warnings,
+  write_back,
+  xla_hints,
 )
 from optax_safefactor._src.hyperparams import Hyperparams
 from optax_safefactor._src.plan import Planner, warn_if_misspelt
