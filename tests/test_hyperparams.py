@@ -1,5 +1,6 @@
 """Arguments a user gets wrong are refused when the optimizer is built, by their own name."""
 
+import functools
 import re
 import warnings
 
@@ -426,3 +427,55 @@ def test_an_injected_max_consecutive_skips_below_one_is_named_not_read_as_skips(
   with pytest.raises(Exception, match=r"max_consecutive_skips must be an int of at least 1, "
                                       r"got 0 \(injected\)"):
     jax.block_until_ready(jax.jit(tx.update)(params, state, params))
+
+
+@pytest.mark.parametrize("build,error", [
+    # A schedule's factory passed uncalled failed at the first update, inside optax's
+    # schedule: "linear_schedule() missing 2 required positional arguments".
+    (lambda: osf.safefactor(optax.linear_schedule),
+     r"^learning_rate is called with the step count at each step, and linear_schedule takes "
+     r"\(init_value, end_value, \.\.\.\): a factory, it seems; call it to make the function"),
+    (lambda: osf.safefactor(1e-2, weight_decay_rate=optax.cosine_decay_schedule),
+     r"^weight_decay_rate is called with the step count .* cosine_decay_schedule takes "
+     r"\(init_value, decay_steps, \.\.\.\): a factory"),
+    (lambda: osf.safefactor(lambda: 1e-2),
+     r"^learning_rate is called with the step count at each step, and <lambda> takes \(\)$"),
+    # A function given for a number that takes no schedule failed at the first update with
+    # "float() argument must be a string or a real number, not 'function'", naming nothing.
+    (lambda: osf.safefactor(1e-2, decay_rate=lambda count: 0.8),
+     r"^decay_rate must be a number, got the function <lambda>: only learning_rate and "
+     r"weight_decay_rate take a schedule; for a schedule of beta2 give decay_rate_fn$"),
+    (lambda: osf.safefactor(1e-2, clipping_threshold=optax.constant_schedule(1.0)),
+     r"^clipping_threshold must be a number, got the function <lambda>: only learning_rate"),
+    (lambda: osf.safefactor(1e-2, eps=lambda count: 1e-30), r"^eps must be a number"),
+    (lambda: osf.safefactor(1e-2, momentum=lambda count: 0.9), r"^momentum must be a number"),
+    (lambda: osf.safefactor(1e-2, max_parameter_scale=lambda count: 1.0),
+     r"^max_parameter_scale must be a number"),
+    (lambda: osf.safefactor(1e-2, decay_offset=lambda count: 10),
+     r"^decay_offset must be a number"),
+    (lambda: osf.scale_by_safe_factored_rms(epsilon=lambda count: 1e-30),
+     r"^epsilon must be a number"),
+    (lambda: osf.scale_by_safe_factored_rms(decay_rate_fn=lambda step: 0.9),
+     r"^decay_rate_fn is called with the step and decay_rate at each step, and <lambda> "
+     r"takes \(step\)$"),
+    (lambda: osf.presets.big_vision(optax.cosine_decay_schedule),
+     r"^presets.big_vision\(\): learning_rate is called with the step count .* a factory"),
+    (lambda: osf.presets.transformers(lr=optax.linear_schedule, relative_step=False),
+     r"^presets.transformers\(\): lr is called with the step count .* a factory"),
+], ids=["lr-factory", "decay-factory", "lr-without-argument", "decay_rate", "clipping", "eps",
+        "momentum", "max_parameter_scale", "decay_offset", "epsilon", "decay_rate_fn",
+        "big_vision", "transformers"])
+def test_a_function_the_step_cannot_call_is_refused_at_construction(build, error):
+  with pytest.raises(TypeError, match=error):
+    build()
+
+
+def test_schedules_and_functions_the_step_can_call_are_taken():
+  params = {"w": jnp.ones((4, 3))}
+  decay = functools.partial(lambda count, rate: rate, rate=0.1)
+  for tx in (osf.safefactor(optax.linear_schedule(0.0, 1e-2, 10), weight_decay_rate=decay),
+             osf.safefactor(lambda count, *more: 1e-2),
+             osf.scale_by_safe_factored_rms(decay_rate_fn=lambda step, rate, *more: 0.9),
+             osf.presets.big_vision(optax.linear_schedule(1e-2, 0.0, 100))):
+    updates, _ = tx.update(params, tx.init(params), params)
+    assert bool(jnp.all(jnp.isfinite(updates["w"])))

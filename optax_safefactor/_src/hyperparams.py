@@ -9,6 +9,7 @@ validation row, if it has one) and reading it where it is used.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -220,6 +221,52 @@ def _check_float_dtype(name: str, value: Any, *, complex_ok: bool = False) -> No
     )
 
 
+# The numbers that may be schedules, as optax's ScalarOrSchedule: each is called with the step.
+SCHEDULED = ("learning_rate", "weight_decay_rate")
+
+
+def check_schedule(name: str, value: Callable[..., Any], *, schedule_ok: bool = True,
+                   called_with: tuple[str, ...] = ("the step count",)) -> None:
+  """A function given as ``name`` is one the step can call: with ``called_with`` (a
+  schedule: the step count alone), and only where ``schedule_ok``. A factory passed
+  uncalled (``optax.linear_schedule`` for ``optax.linear_schedule(...)``), or a schedule
+  given for a number that takes none, failed inside the first update without naming it.
+
+  >>> check_schedule("learning_rate", optax.linear_schedule)
+  Traceback (most recent call last):
+  ...
+  TypeError: learning_rate is called with the step count at each step, and linear_schedule \
+takes (init_value, end_value, ...): a factory, it seems; call it to make the function (say \
+optax.linear_schedule(...) rather than optax.linear_schedule)
+  """
+  if not schedule_ok:
+    raise TypeError(f"{name} must be a number, got the function {_name_of(value)}: only "
+                    f"{' and '.join(SCHEDULED)} take a schedule"
+                    + ("; for a schedule of beta2 give decay_rate_fn" if name == "decay_rate"
+                       else ""))
+  try:
+    signature = inspect.signature(value)
+  except (TypeError, ValueError):
+    return  # a builtin without a signature: nothing to judge before it is called
+  try:
+    signature.bind(*range(len(called_with)))
+  except TypeError:
+    names = list(signature.parameters)
+    shown = f"({', '.join(names[:2])}, ...)" if len(names) > 2 else str(signature)
+    required = [p for p in signature.parameters.values() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    raise TypeError(
+        f"{name} is called with {' and '.join(called_with)} at each step, and "
+        f"{_name_of(value)} takes {shown}"
+        + (": a factory, it seems; call it to make the function (say "
+           "optax.linear_schedule(...) rather than optax.linear_schedule)"
+           if len(required) > len(called_with) else "")) from None
+
+
+def _name_of(function: Any) -> str:
+  return getattr(function, "__name__", type(function).__name__)
+
+
 def _check_callable(name: str, value: Any) -> None:
   if value is None or callable(value):
     return
@@ -247,11 +294,16 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   for field, requirement, is_valid in _NUMBER_RULES:
     name = names.get(field, field)
     value = getattr(hyperparams, field)
+    if callable(value):
+      check_schedule(name, value, schedule_ok=field in SCHEDULED)
     number = as_number(name, value, "int" if field in _WHOLE_NUMBERS else "float")
     if number is not None and not is_valid(number):
       raise ValueError(f"{name} must be {requirement}, got {value!r}")
   for name in ("factor_rules", "decay_rate_fn"):
     _check_callable(name, getattr(hyperparams, name))
+  if hyperparams.decay_rate_fn is not None:
+    check_schedule(names.get("decay_rate_fn", "decay_rate_fn"), hyperparams.decay_rate_fn,
+                   called_with=("the step", "decay_rate"))
   if not (isinstance(hyperparams.dtype_momentum, str)
           and hyperparams.dtype_momentum == numerics.AT_LEAST_FLOAT32):
     _check_float_dtype("dtype_momentum", hyperparams.dtype_momentum, complex_ok=True)

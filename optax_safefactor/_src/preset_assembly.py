@@ -90,8 +90,10 @@ def check_number(preset: str, name: str, value: Any, requirement: str,
   ...
   ValueError: presets.t5x(): global_norm_clip_threshold must be positive, got -1.0
   """
-  if ((value is None and none_ok) or (callable(value) and schedule_ok)
-      or isinstance(value, jax.core.Tracer)):
+  if callable(value) and schedule_ok:
+    hyperparams.check_schedule(f"presets.{preset}(): {name}", value)
+    return
+  if (value is None and none_ok) or isinstance(value, jax.core.Tracer):
     return
   number = None
   if value is not None and not callable(value):
