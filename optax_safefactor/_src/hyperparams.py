@@ -368,7 +368,6 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
     unused.append(f"{name('weight_decay_mask')} selects the params that "
                   f"{name('weight_decay_rate')} decays, and none is set: it has no effect")
   for message in filter(None, unused):
-    # The caller's caller: the line that built the optimizer.
     user_warnings.warn(message)
 
 
