@@ -28,6 +28,7 @@ from optax_safefactor._src import (
     trees,
     xla_hints,
 )
+from optax_safefactor._src.argument_names import explain_unknown_arguments
 
 EveryK = int | jax.Array | Callable[[jax.Array], Any]
 
@@ -84,6 +85,7 @@ def _mean(summed: jax.Array, grad: jax.Array, count: jax.Array) -> jax.Array:
 
 
 
+@explain_unknown_arguments
 def accumulate_gradients(
     inner: optax.GradientTransformation, every_k: EveryK
 ) -> optax.GradientTransformationExtraArgs:

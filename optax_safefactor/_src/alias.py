@@ -13,10 +13,12 @@ import optax
 from jax.typing import DTypeLike
 
 from optax_safefactor._src import hyperparams, transform
+from optax_safefactor._src.argument_names import explain_unknown_arguments
 from optax_safefactor._src.hyperparams import DecayRateFn, Hyperparams
 from optax_safefactor._src.plan import FactorRulesFn
 
 
+@explain_unknown_arguments
 def safefactor(
     learning_rate: optax.ScalarOrSchedule | None = None,
     min_dim_size_to_factor: int = 128,
@@ -226,6 +228,7 @@ def safefactor(
   return transform.adafactor(hyperparams.validate(Hyperparams.of(locals())))
 
 
+@explain_unknown_arguments
 def scale_by_safe_factored_rms(
     factored: bool = True,
     decay_rate: jax.typing.ArrayLike = 0.8,

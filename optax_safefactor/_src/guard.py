@@ -46,6 +46,7 @@ from optax_safefactor._src import (
     user_warnings,
     xla_hints,
 )
+from optax_safefactor._src.argument_names import explain_unknown_arguments
 from optax_safefactor._src.checked_mode import needs_checkify
 from optax_safefactor._src.counters import (
     COUNTER_FIELDS,
@@ -329,6 +330,7 @@ def _square_sums(grads: Any) -> jax.Array:
   return jnp.stack(sums) if sums else jnp.zeros([0], jnp.float32)
 
 
+@explain_unknown_arguments
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     max_consecutive: int | None = None,

@@ -19,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, numerics, spikes, user_warnings, write_back
+from optax_safefactor._src import (
+    argument_names,
+    checks,
+    numerics,
+    spikes,
+    user_warnings,
+    write_back,
+)
 from optax_safefactor._src.bit_streams import check_seed
 from optax_safefactor._src.plan import FactorRulesFn
 
@@ -151,13 +158,16 @@ def as_number(name: str, value: Any, convert: str = "float") -> float | None:
         f"{name} must be a number, an array or a schedule, got the string {value!r}; "
         f"convert it first, e.g. {name}={convert}({value!r})"
     )
+  tree = argument_names.params_given_for(name, value)
+  if tree:
+    raise TypeError(tree)
   try:
     array = np.asarray(value)
   except (TypeError, ValueError):
     array = None
   if array is not None and array.ndim:
     raise TypeError(f"{name} must be a scalar (a number, a 0-d array or a schedule), got an "
-                    f"array of shape {array.shape}")
+                    f"array of shape {array.shape}" + argument_names.for_a_number(name, value))
   if isinstance(value, (bool, np.bool_)) or (array is not None and array.dtype == np.bool_):
     # True would be read as 1: a switch given where a number belongs (momentum=False
     # made a momentum of 0, skip_spikes=True a spike at one standard deviation).
@@ -239,6 +249,9 @@ def check_schedule(name: str, value: Callable[..., Any], *, schedule_ok: bool = 
 takes (init_value, end_value, ...): a factory, it seems; call it to make the function (say \
 optax.linear_schedule(...) rather than optax.linear_schedule)
   """
+  model = argument_names.params_given_for(name, value)  # an nnx.Module is callable
+  if model:
+    raise TypeError(model)
   if not schedule_ok:
     raise TypeError(f"{name} must be a number, got the function {_name_of(value)}: only "
                     f"{' and '.join(SCHEDULED)} take a schedule"
@@ -285,10 +298,10 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
   to the argument the caller knows it by (``scale_by_safe_factored_rms``'s
   ``epsilon``), so that an error names what the user wrote.
 
-  >>> validate(Hyperparams(decay_rate=-1.0))
+  >>> validate(Hyperparams(momentum=1.5))
   Traceback (most recent call last):
   ...
-  ValueError: decay_rate must be positive and finite, got -1.0
+  ValueError: momentum must be in [0, 1) (or None), got 1.5
   """
   names = names or {}
   for field, requirement, is_valid in _NUMBER_RULES:
@@ -298,7 +311,8 @@ def validate(hyperparams: Hyperparams, names: dict[str, str] | None = None) -> H
       check_schedule(name, value, schedule_ok=field in SCHEDULED)
     number = as_number(name, value, "int" if field in _WHOLE_NUMBERS else "float")
     if number is not None and not is_valid(number):
-      raise ValueError(f"{name} must be {requirement}, got {value!r}")
+      raise ValueError(f"{name} must be {requirement}, got {value!r}"
+                       + argument_names.for_a_number(name, value))
   for name in ("factor_rules", "decay_rate_fn"):
     _check_callable(name, getattr(hyperparams, name))
   if hyperparams.decay_rate_fn is not None:

@@ -24,6 +24,7 @@ from optax_safefactor._src import (
     user_warnings,
     write_back,
 )
+from optax_safefactor._src.argument_names import explain_unknown_arguments
 from optax_safefactor._src.trees import find_all, unzip_leaf_results
 
 
@@ -80,6 +81,7 @@ def _skipped_inside(old_inner: Any, new_inner: Any) -> jax.Array:
   return jnp.any(jnp.stack(skipped)) if skipped else jnp.asarray(False)
 
 
+@explain_unknown_arguments
 def with_param_rounding(
     inner: optax.GradientTransformation, mode: str = "stochastic", seed: int = 0
 ) -> optax.GradientTransformationExtraArgs:

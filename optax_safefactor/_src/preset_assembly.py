@@ -15,7 +15,13 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_safefactor._src import hyperparams, transform, user_warnings, write_back
+from optax_safefactor._src import (
+    argument_names,
+    hyperparams,
+    transform,
+    user_warnings,
+    write_back,
+)
 from optax_safefactor._src.alias import safefactor
 from optax_safefactor._src.guard import skip_nonfinite
 from optax_safefactor._src.hyperparams import Hyperparams
@@ -95,6 +101,9 @@ def check_number(preset: str, name: str, value: Any, requirement: str,
     return
   if (value is None and none_ok) or isinstance(value, jax.core.Tracer):
     return
+  tree = argument_names.params_given_for(f"presets.{preset}(): {name}", value)
+  if tree:
+    raise TypeError(tree)
   number = None
   if value is not None and not callable(value):
     # safefactor's own parsing, with the preset's name and what the preset takes in the
@@ -142,13 +151,15 @@ def _same(value: Any, default: Any) -> bool:
   return value == default
 
 
-def check_overrides(preset: str, overrides: Mapping[str, Any],
+def check_overrides(preset_function: Callable[..., Any], overrides: Mapping[str, Any],
                     taken: Mapping[str, str]) -> None:
   """A TypeError for an override ``safefactor`` does not know or the preset already sets.
 
   ``taken`` maps a ``safefactor`` argument to the preset's own argument(s) it comes from,
-  or to the reason it is fixed, in parentheses.
+  or to the reason it is fixed, in parentheses. A name that is neither is answered with the
+  nearest of the preset's own arguments and the overrides it leaves free.
   """
+  preset = preset_function.__name__
   for name in given(overrides):
     if name in taken:
       if taken[name].startswith("("):
@@ -158,9 +169,11 @@ def check_overrides(preset: str, overrides: Mapping[str, Any],
           f"pass that instead of {name}=")
     if name not in SAFEFACTOR_ARGUMENTS:
       free = [n for n in SAFEFACTOR_ARGUMENTS if n not in taken]
-      raise TypeError(
-          f"presets.{preset}() got an unexpected keyword argument {name!r}; overrides go to "
-          f"osf.safefactor, and this preset leaves these free: {', '.join(free)}")
+      own = [n for n in inspect.signature(preset_function).parameters if n != "overrides"]
+      near = argument_names.unknown_argument(f"presets.{preset}", name, [*own, *free])
+      then = " Overrides" if near.endswith("?") else "; overrides"
+      raise TypeError(f"{near}{then} go to osf.safefactor, and this preset leaves these "
+                      f"free: {', '.join(free)}")
 
 
 def own_names(taken: Mapping[str, str]) -> dict[str, str]:

@@ -175,7 +175,7 @@ def big_vision(
            "decay_offset": "decay_offset", "beta2_cap": "beta2_cap",
            "clipping_threshold": "clipping_threshold", "momentum": "momentum",
            "dtype_momentum": "dtype_momentum", "eps": "eps"}
-  preset_assembly.check_overrides("big_vision", overrides, taken)
+  preset_assembly.check_overrides(big_vision, overrides, taken)
   # These go to optax's own steps, not to safefactor's checks.
   preset_assembly.check_number("big_vision", "learning_rate", learning_rate, "finite",
                                math.isfinite, schedule_ok=True)
@@ -438,7 +438,7 @@ def t5x(
         "presets.t5x(): skip_nan_updates is not taken: T5X keeps each NaN element's old "
         "value, safefactor skips a non-finite step as a whole (skip_nonfinite_steps=True, "
         "the default)")
-  preset_assembly.check_overrides("t5x", overrides, taken)
+  preset_assembly.check_overrides(t5x, overrides, taken)
   preset_assembly.check_switches("t5x", factored=factored,
                                  multiply_by_parameter_scale=multiply_by_parameter_scale)
   # T5X asserts that a learning rate is given; safefactor would take None as "unscaled".

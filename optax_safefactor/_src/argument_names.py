@@ -1,0 +1,154 @@
+"""A name that is not one of a function's arguments, answered with the one it takes.
+
+Most users come to ``safefactor`` from another Adafactor and write that one's names:
+``lr`` and ``beta1`` (transformers), ``beta2_decay`` (PyTorch), ``step_offset`` (optax's
+``scale_by_factored_rms``), ``epsilon1`` (T5X). Python's own error names the argument and
+stops there; these messages say what it is called here, or which preset takes it, and
+suggest the nearest name for a typo.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar
+
+import jax
+import numpy as np
+
+# Another implementation's name -> (the arguments here it means, the first one the function
+# takes wins; whose name it is).
+_NAMES_ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
+    "lr": (("learning_rate",), "PyTorch's and transformers' name"),
+    "beta1": (("momentum",), "transformers' and T5X's name"),
+    "b1": (("momentum",), "optax.adam's name"),
+    "weight_decay": (("weight_decay_rate",), "PyTorch's and transformers' name"),
+    "clip_threshold": (("clipping_threshold",), "transformers' name"),
+    "d": (("clipping_threshold",), "PyTorch's name"),
+    "scale_parameter": (("multiply_by_parameter_scale",), "transformers' name"),
+    "beta2_decay": (("decay_rate",), "PyTorch's name, negated there: its -0.8 is 0.8 here"),
+    "step_offset": (("decay_offset",), "optax.scale_by_factored_rms' and T5X's name"),
+    "decay_offset": (("step_offset",), "optax.adafactor's name"),
+    "epsilon": (("eps",), "optax.scale_by_factored_rms' name"),
+    "eps": (("epsilon",), "optax.adafactor's name"),
+    "epsilon1": (("eps",), "T5X's name"),
+    "epsilon2": (("min_parameter_scale",), "T5X's name"),
+    "min_scale": (("min_parameter_scale",), "optax.scale_by_param_block_rms' name"),
+    "skip_nan_updates": (("skip_nonfinite_steps",), "T5X's name"),
+    "factor_map": (("factor_rules",), "T5X's name"),
+    "logical_factor_rules": (("factor_rules",), "T5X's name; give it as "
+                                                "factor_rules=osf.logical_factor_rules(...)"),
+    "max_consecutive_errors": (("max_consecutive", "max_consecutive_skips"),
+                               "optax.apply_if_finite's name"),
+    "every_k_schedule": (("every_k",), "optax.MultiSteps' name"),
+    "mask": (("weight_decay_mask",), "optax.add_decayed_weights' name"),
+}
+
+# Other Adafactors' arguments with no one argument here, and what to do instead; said only
+# to the functions that take a decay_rate (the Adafactors).
+_NOT_ARGUMENTS_HERE = {
+    "relative_step": "transformers' relative step size is a learning-rate schedule: "
+                     "osf.presets.transformers(relative_step=True) builds it",
+    "warmup_init": "transformers' warm-up of the relative step size is a learning-rate "
+                   "schedule: osf.presets.transformers(relative_step=True, warmup_init=True) "
+                   "builds it",
+    "maximize": "PyTorch's: negate the loss, or use osf.presets.torch(maximize=True)",
+    "foreach": "PyTorch's choice of kernel; XLA compiles the whole step, there is nothing to "
+               "choose",
+    "beta2": "Adafactor's beta2 follows the schedule 1 - (t + 1) ** -decay_rate: set "
+             "decay_rate, or bound it with beta2_cap",
+    "global_norm_clip_threshold": "T5X's: chain optax.clip_by_global_norm(threshold) before "
+                                  "this optimizer",
+    "weight_decay_rate_lr_exponent": "T5X's: osf.presets.t5x takes it",
+    "params": "an optax optimizer is built from its settings alone and takes the params in "
+              "init(params), which nnx.Optimizer(model, optimizer, wrt=nnx.Param) calls",
+}
+_NOT_ARGUMENTS_HERE["b2"] = _NOT_ARGUMENTS_HERE["beta2"]
+
+
+def unknown_argument(function: str, name: str, arguments: Iterable[str]) -> str:
+  """The message for ``name``, which ``function`` (taking ``arguments``) does not take.
+
+  >>> unknown_argument("safefactor", "lr", ["learning_rate", "decay_rate"])
+  "safefactor() got an unexpected keyword argument 'lr': here it is learning_rate (lr is \
+PyTorch's and transformers' name)"
+  >>> unknown_argument("safefactor", "momentun", ["learning_rate", "momentum"])
+  "safefactor() got an unexpected keyword argument 'momentun'; did you mean momentum?"
+  """
+  arguments = tuple(arguments)
+  message = f"{function}() got an unexpected keyword argument {name!r}"
+  meanings, whose = _NAMES_ELSEWHERE.get(name, ((), ""))
+  meant = [meaning for meaning in meanings if meaning in arguments]
+  if meant:
+    return f"{message}: here it is {meant[0]} ({name} is {whose})"
+  if name in _NOT_ARGUMENTS_HERE and "decay_rate" in arguments:
+    return f"{message}: {_NOT_ARGUMENTS_HERE[name]}"
+  near = difflib.get_close_matches(name, arguments, n=1, cutoff=0.75)
+  return f"{message}; did you mean {near[0]}?" if near else message
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def explain_unknown_arguments(function: Callable[_P, _R]) -> Callable[_P, _R]:
+  """``function``, raising :func:`unknown_argument`'s message for a keyword it does not take
+  (before it runs) instead of Python's bare one."""
+  arguments = tuple(inspect.signature(function).parameters)
+
+  @functools.wraps(function)
+  def explained(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    for name in kwargs:
+      if name not in arguments:
+        raise TypeError(unknown_argument(function.__name__, name, arguments))
+    return function(*args, **kwargs)
+
+  return explained
+
+
+def for_a_number(name: str, value: Any) -> str:
+  """What another convention explains about ``value``, given as the number ``name`` and
+  refused: a clause to end the refusal with, or ``""``.
+
+  >>> for_a_number("decay_rate", -0.8)
+  " (transformers' decay_rate and PyTorch's beta2_decay are negated: their -0.8 is 0.8 \
+here, as in optax)"
+  """
+  if name in ("decay_rate", "beta2_decay"):
+    with_sign = np.asarray(value)
+    if with_sign.ndim == 0 and np.issubdtype(with_sign.dtype, np.number) and with_sign < 0:
+      return (f" (transformers' decay_rate and PyTorch's beta2_decay are negated: their "
+              f"{value!r} is {-with_sign.item()!r} here, as in optax)")
+  if name in ("eps", "epsilon") and np.shape(value) == (2,):
+    second = ("min_parameter_scale=eps[1]" if name == "eps" else
+              "eps[1] floors the parameter scale, safefactor's min_parameter_scale")
+    return (f" (transformers' and PyTorch's eps pair is two settings here: {name}=eps[0] "
+            f"and {second})")
+  return ""
+
+
+def params_given_for(name: str, value: Any) -> str | None:
+  """The refusal of a tree holding arrays (not itself one), given as the number ``name``, or
+  ``None`` for any other value: params passed when the optimizer is built, as PyTorch's
+  optimizers take them (``osf.safefactor(params, 1e-3)``), or a Flax NNX model, which is
+  callable and was taken for a schedule (``osf.safefactor(model)``). NumPy read a list of same-shape
+  arrays as one array, a Flax ``State`` as the array of its keys, and a dict as an object.
+
+  >>> params_given_for("learning_rate", [1e-2]) is None
+  True
+  >>> params_given_for("learning_rate", {"w": np.ones((2, 3))})
+  'learning_rate must be a number, an array or a schedule, got a dict holding 1 array (the \
+params, or a model?): an optax optimizer is built from its settings alone and takes the \
+params in init(params), which nnx.Optimizer(model, optimizer, wrt=nnx.Param) calls'
+  """
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    return None
+  arrays = [leaf for leaf in jax.tree.leaves(value) if np.ndim(leaf)]
+  if not arrays:
+    return None
+  return (f"{name} must be a number, an array or a schedule, got a {type(value).__name__} "
+          f"holding {len(arrays)} array{'s' if len(arrays) > 1 else ''} (the params, or a "
+          "model?): an optax optimizer is built from its settings alone and takes the params "
+          "in init(params), which nnx.Optimizer(model, optimizer, wrt=nnx.Param) calls")

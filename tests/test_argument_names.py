@@ -1,0 +1,245 @@
+"""Another Adafactor's names, a typo, or the params given where a setting belongs: each is
+answered with what to write instead, when the optimizer is built."""
+
+from __future__ import annotations
+
+import inspect
+import string
+
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+
+import optax_safefactor as osf
+
+PARAMS = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+FACTORIES = {"safefactor": osf.safefactor,
+             "scale_by_safe_factored_rms": osf.scale_by_safe_factored_rms,
+             "skip_nonfinite": lambda **kw: osf.skip_nonfinite(optax.sgd(0.1), **kw),
+             "accumulate_gradients": lambda **kw: osf.accumulate_gradients(optax.sgd(0.1),
+                                                                           **kw),
+             "with_param_rounding": lambda **kw: osf.with_param_rounding(optax.sgd(0.1), **kw)}
+WRAPPED = {"skip_nonfinite": osf.skip_nonfinite, "accumulate_gradients": osf.accumulate_gradients,
+           "with_param_rounding": osf.with_param_rounding}
+
+
+def _refusal(factory, **kwargs):
+  with pytest.raises(TypeError) as raised:
+    FACTORIES[factory](**kwargs)
+  return str(raised.value)
+
+
+def _python_says(factory, name):
+  return f"{factory}() got an unexpected keyword argument {name!r}"
+
+
+@pytest.mark.parametrize("factory,name,meant", [
+    ("safefactor", "lr", "learning_rate"),
+    ("safefactor", "beta1", "momentum"),
+    ("safefactor", "b1", "momentum"),
+    ("safefactor", "weight_decay", "weight_decay_rate"),
+    ("safefactor", "clip_threshold", "clipping_threshold"),
+    ("safefactor", "d", "clipping_threshold"),
+    ("safefactor", "scale_parameter", "multiply_by_parameter_scale"),
+    ("safefactor", "beta2_decay", "decay_rate"),
+    ("safefactor", "step_offset", "decay_offset"),
+    ("safefactor", "epsilon", "eps"),
+    ("safefactor", "epsilon1", "eps"),
+    ("safefactor", "epsilon2", "min_parameter_scale"),
+    ("safefactor", "min_scale", "min_parameter_scale"),
+    ("safefactor", "skip_nan_updates", "skip_nonfinite_steps"),
+    ("safefactor", "factor_map", "factor_rules"),
+    ("safefactor", "logical_factor_rules", "factor_rules"),
+    ("safefactor", "mask", "weight_decay_mask"),
+    ("scale_by_safe_factored_rms", "eps", "epsilon"),
+    ("scale_by_safe_factored_rms", "decay_offset", "step_offset"),
+    ("skip_nonfinite", "max_consecutive_errors", "max_consecutive"),
+    ("safefactor", "max_consecutive_errors", "max_consecutive_skips"),
+    ("accumulate_gradients", "every_k_schedule", "every_k"),
+])
+def test_another_adafactors_name_is_answered_with_the_one_taken_here(factory, name, meant):
+  message = _refusal(factory, **{name: 1})
+  assert message.startswith(_python_says(factory, name))
+  assert f"here it is {meant} (" in message
+
+
+@pytest.mark.parametrize("name,advice", [
+    ("relative_step", "osf.presets.transformers(relative_step=True)"),
+    ("warmup_init", "warmup_init=True"),
+    ("maximize", "negate the loss"),
+    ("foreach", "nothing to choose"),
+    ("beta2", "beta2_cap"),
+    ("b2", "beta2_cap"),
+    ("global_norm_clip_threshold", "optax.clip_by_global_norm"),
+    ("weight_decay_rate_lr_exponent", "osf.presets.t5x"),
+    ("params", "init(params)"),
+])
+def test_an_argument_with_no_one_name_here_says_what_to_do(name, advice):
+  message = _refusal("safefactor", **{name: 1})
+  assert message.startswith(_python_says("safefactor", name)) and advice in message
+  # Said to the Adafactors only: skip_nonfinite has no beta2 to bound.
+  assert _refusal("skip_nonfinite", **{name: 1}) in (
+      _python_says("skip_nonfinite", name),
+      _python_says("skip_nonfinite", name) + "; did you mean max_consecutive?")
+
+
+@pytest.mark.parametrize("factory,typo,meant", [
+    ("safefactor", "momentun", "momentum"),
+    ("safefactor", "clipping_treshold", "clipping_threshold"),
+    ("safefactor", "min_dim_size_to_factr", "min_dim_size_to_factor"),
+    ("scale_by_safe_factored_rms", "decay_rat", "decay_rate"),
+    ("skip_nonfinite", "max_consecutiv", "max_consecutive"),
+    ("with_param_rounding", "mdoe", "mode"),
+])
+def test_a_typo_is_answered_with_the_nearest_argument(factory, typo, meant):
+  assert _refusal(factory, **{typo: 1}) == f"{_python_says(factory, typo)}; did you mean {meant}?"
+
+
+def test_a_name_near_nothing_gets_pythons_message_alone():
+  assert _refusal("safefactor", xyz=1) == _python_says("safefactor", "xyz")
+  # Another Adafactor's name for an argument this function does not have either.
+  for factory in ("skip_nonfinite", "accumulate_gradients", "with_param_rounding"):
+    for name in ("lr", "weight_decay", "epsilon2"):
+      assert _refusal(factory, **{name: 1}) == _python_says(factory, name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(factory=st.sampled_from(sorted(FACTORIES)),
+       name=st.text(string.ascii_lowercase + "_", min_size=1, max_size=24))
+def test_every_unknown_name_is_refused_with_pythons_message_first(factory, name):
+  function = WRAPPED.get(factory, FACTORIES[factory])
+  if name in inspect.signature(function).parameters:
+    return
+  message = _refusal(factory, **{name: 1})
+  assert message.startswith(_python_says(factory, name))
+  suggested = message.rpartition("did you mean ")[2].rstrip("?")
+  if suggested != message:
+    assert suggested in inspect.signature(function).parameters
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_an_argument_with_a_letter_dropped_is_suggested_back(data):
+  """A name of eight or more letters with one dropped is within difflib's reach of its
+  original: some argument is suggested, and the original when no other is as near."""
+  name = data.draw(st.sampled_from([n for n in inspect.signature(osf.safefactor).parameters
+                                    if len(n) >= 8]))
+  drop = data.draw(st.integers(0, len(name) - 1))
+  typo = name[:drop] + name[drop + 1:]
+  if typo in inspect.signature(osf.safefactor).parameters:
+    return
+  message = _refusal("safefactor", **{typo: 1})
+  assert "; did you mean " in message or ": here it is " in message
+  if "min_parameter_scale" not in name and "max_parameter_scale" not in name:
+    assert message.endswith(f"; did you mean {name}?") or ": here it is " in message
+
+
+def test_the_checked_functions_keep_their_signatures_and_calls():
+  for name, function in (("safefactor", osf.safefactor),
+                         ("scale_by_safe_factored_rms", osf.scale_by_safe_factored_rms),
+                         *WRAPPED.items()):
+    assert function.__name__ == name
+    assert inspect.signature(function) == inspect.signature(function.__wrapped__)
+  # Positional and keyword calls as before, and optax.inject_hyperparams reads the signature.
+  tx = osf.safefactor(1e-2, 128, 0.8, momentum=0.9)
+  assert tx.update(PARAMS, tx.init(PARAMS), PARAMS)[0]["w"].shape == (4, 3)
+  injected = optax.inject_hyperparams(osf.safefactor)(learning_rate=1e-2, decay_rate=0.5)
+  assert float(injected.init(PARAMS).hyperparams["decay_rate"]) == 0.5
+
+
+def test_the_peers_arguments_are_each_taken_or_explained():
+  """Every argument of transformers' and PyTorch's Adafactors is one ``safefactor`` takes or
+  one it answers with more than Python's message (read from their signatures where they
+  install)."""
+  peers = []
+  torch = pytest.importorskip("torch")
+  peers.append(torch.optim.Adafactor)
+  hf = pytest.importorskip("transformers.optimization")
+  peers.append(hf.Adafactor)
+  ours = inspect.signature(osf.safefactor).parameters
+  for peer in peers:
+    for name in inspect.signature(peer).parameters:
+      if name not in ours:
+        assert _refusal("safefactor", **{name: 1}) != _python_says("safefactor", name), name
+
+
+@pytest.mark.parametrize("factory,name,value,advice", [
+    ("safefactor", "decay_rate", -0.8, "their -0.8 is 0.8 here"),
+    ("scale_by_safe_factored_rms", "decay_rate", -0.5, "their -0.5 is 0.5 here"),
+    ("safefactor", "eps", (1e-30, 1e-3), "eps=eps[0] and min_parameter_scale=eps[1]"),
+    ("scale_by_safe_factored_rms", "epsilon", (1e-30, 1e-3),
+     "epsilon=eps[0] and eps[1] floors the parameter scale"),
+])
+def test_another_adafactors_convention_for_a_value_is_explained(factory, name, value, advice):
+  with pytest.raises((TypeError, ValueError)) as raised:
+    FACTORIES[factory](**{name: value})
+  assert advice in str(raised.value)
+  # A value refused for another reason says nothing of the peers.
+  with pytest.raises(ValueError) as raised:
+    FACTORIES[factory](decay_rate=float("inf"))
+  assert "transformers" not in str(raised.value)
+
+
+def _nnx_model():
+  nnx = pytest.importorskip("flax.nnx")  # the core's floor runs without the flax extra
+  return nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx
+
+
+@pytest.mark.parametrize("build,holding", [
+    (lambda: osf.safefactor(PARAMS, 1e-3), "a dict holding 2 arrays"),
+    (lambda: osf.safefactor([jnp.ones(3), jnp.ones(2)]), "a list holding 2 arrays"),
+    # NumPy reads same-shape arrays as one array of shape (2, 3).
+    (lambda: osf.safefactor([jnp.ones(3), jnp.ones(3)]), "a list holding 2 arrays"),
+    (lambda: osf.safefactor(1e-3, momentum={"w": np.ones((2, 2))}), "a dict holding 1 array"),
+    (lambda: osf.presets.transformers(PARAMS), "a dict holding 2 arrays"),
+    (lambda: osf.presets.t5x(PARAMS), "a dict holding 2 arrays"),
+])
+def test_params_given_when_the_optimizer_is_built_are_refused_as_such(build, holding):
+  with pytest.raises(TypeError, match="the params, or a model") as raised:
+    build()
+  assert holding in str(raised.value) and "init(params)" in str(raised.value)
+
+
+@pytest.mark.parametrize("build", [
+    lambda model: osf.safefactor(model),
+    lambda model: osf.safefactor(1e-3, weight_decay_rate=model),
+    lambda model: osf.presets.torch(model),
+    lambda model: osf.presets.big_vision(model),
+])
+def test_a_flax_model_is_not_taken_for_a_schedule(build):
+  """An NNX module is callable with one argument, as a schedule is: it was taken, and the
+  first update failed inside the model's matrix product."""
+  model, nnx = _nnx_model()
+  with pytest.raises(TypeError, match="a Linear holding 2 arrays"):
+    build(model)
+  with pytest.raises(TypeError, match="a State holding 2 arrays"):
+    build(nnx.state(model, nnx.Param))
+
+
+def test_numbers_and_schedules_are_still_taken():
+  for tx in (osf.safefactor(np.float32(1e-3)), osf.safefactor(jnp.asarray(1e-3)),
+             osf.safefactor(optax.linear_schedule(1e-3, 0.0, 10)),
+             osf.presets.t5x(optax.linear_schedule(1e-3, 0.0, 10))):
+    assert tx.update(PARAMS, tx.init(PARAMS), PARAMS)[0]["w"].shape == (4, 3)
+
+
+@pytest.mark.parametrize("build,says", [
+    (lambda: osf.presets.transformers(lr=1e-3, relative_step=False, clip_treshold=1.0),
+     "'clip_treshold'; did you mean clip_threshold? Overrides go to osf.safefactor"),
+    (lambda: osf.presets.t5x(learning_rate=1e-3, epsilon_1=1e-30),
+     "'epsilon_1'; did you mean epsilon1? Overrides go to osf.safefactor"),
+    (lambda: osf.presets.big_vision(learning_rate=1e-3, spike_windw=64),
+     "'spike_windw'; did you mean spike_window? Overrides go to osf.safefactor"),
+    (lambda: osf.presets.transformers(lr=1e-3, relative_step=False, step_offset=3),
+     "'step_offset': here it is decay_offset (step_offset is optax.scale_by_factored_rms' and "
+     "T5X's name); overrides go to osf.safefactor"),
+    (lambda: osf.presets.torch(beta1=0.9), "'beta1': here it is momentum ("),
+])
+def test_a_presets_unknown_argument_is_answered_from_its_own_and_the_free_ones(build, says):
+  with pytest.raises(TypeError) as raised:
+    build()
+  assert says in str(raised.value)
+  assert "this preset leaves these free: " in str(raised.value)
