@@ -789,8 +789,30 @@ def test_safefactors_warnings_through_a_preset_name_its_arguments_at_the_callers
 def test_a_preset_names_the_guards_setting_as_the_user_passed_it(build):
   # With steps after safefactor's the guard is skip_nonfinite's, whose own argument is
   # max_consecutive: the error named that, which the preset does not take.
-  with pytest.raises(ValueError, match=r"^max_consecutive_skips must be a positive int"):
+  with pytest.raises(ValueError,
+                     match=r"^presets\.\w+\(\): max_consecutive_skips must be a positive int"):
     build()
+
+
+@pytest.mark.parametrize("build,error,message", [
+    (lambda: osf.presets.transformers(lr=1e-3, relative_step=False, state_dtype="bf16"),
+     TypeError, "presets.transformers(): state_dtype must be a floating dtype"),
+    (lambda: osf.presets.t5x(1e-3, beta1=1.5),
+     ValueError, "presets.t5x(): beta1 must be in [0, 1) (or None), got 1.5"),
+    (lambda: osf.presets.torch(param_rounding="kahn"),
+     ValueError, "presets.torch(): param_rounding must be one of"),
+    (lambda: osf.presets.big_vision(1e-3, skip_spikes=-1.0),
+     ValueError, "presets.big_vision(): skip_spikes"),
+    (lambda: osf.presets.t5x(1e-3, decay_rate=-0.8),
+     ValueError, "presets.t5x(): decay_rate must be positive and finite, got -0.8"),
+])
+def test_safefactors_errors_through_a_preset_name_the_preset(build, error, message):
+  """Raised by safefactor's own checks, an error named the preset's argument but not the
+  preset: with several optimizers built in one config, the user could not tell which."""
+  with pytest.raises(error) as raised:
+    build()
+  assert str(raised.value).startswith(message), str(raised.value)
+  assert str(raised.value).count("presets.") == 1
 
 
 def test_transformers_clips_below_one_as_hf_does():

@@ -196,13 +196,19 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   ``after`` steps that change its update.
 
   ``safefactor``'s errors and warnings call a setting by the preset's own argument it comes
-  from (``taken``, as :func:`check_overrides` takes it), and its warnings name the preset
-  and point at the line that called it, where the user can act on them.
+  from (``taken``, as :func:`check_overrides` takes it) and name the preset, and its
+  warnings point at the line that called it, where the user can act on them.
   """
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    tx = _assembled(preset, {**_without_unused(settings), **given(overrides)},
-                    own_names(taken), before, after)
+    try:
+      tx = _assembled(preset, {**_without_unused(settings), **given(overrides)},
+                      own_names(taken), before, after)
+    except (TypeError, ValueError) as error:
+      said = f"presets.{preset}(): "
+      if type(error) not in (TypeError, ValueError) or str(error).startswith(said):
+        raise
+      raise type(error)(f"{said}{error}") from None
   # The guard's own checks may repeat a warning the settings' checks gave: once is enough.
   for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
     user_warnings.warn(f"presets.{preset}(): {message}", category)
