@@ -177,10 +177,20 @@ def test_another_adafactors_convention_for_a_value_is_explained(factory, name, v
   with pytest.raises((TypeError, ValueError)) as raised:
     FACTORIES[factory](**{name: value})
   assert advice in str(raised.value)
-  # A value refused for another reason says nothing of the peers.
-  with pytest.raises(ValueError) as raised:
-    FACTORIES[factory](decay_rate=float("inf"))
-  assert "transformers" not in str(raised.value)
+  # A value refused for another reason says nothing of the peers: a decay rate of 0 or
+  # Inf, which no sign explains, and an eps of another length than the pair's.
+  eps = "eps" if factory == "safefactor" else "epsilon"
+  for refused in ({"decay_rate": float("inf")}, {"decay_rate": 0.0}, {eps: (1e-30,)},
+                  {eps: (1e-30, 1e-3, 1e-3)}, {eps: ((1e-30, 1e-3),)}):
+    with pytest.raises((TypeError, ValueError)) as raised:
+      FACTORIES[factory](**refused)
+    assert "transformers" not in str(raised.value), refused
+  # An array of decay rates is refused by its shape, with or without a sign to explain, and
+  # a pair given for another number is not an eps pair.
+  with pytest.raises(TypeError, match=r"got an array of shape \(2,\)$"):
+    FACTORIES[factory](decay_rate=(-0.8, 0.8))
+  with pytest.raises(TypeError, match=r"got an array of shape \(2,\)$"):
+    FACTORIES["safefactor"](learning_rate=(1e-3, 1e-4))
 
 
 def _nnx_model():
