@@ -169,9 +169,13 @@ def test_the_peers_arguments_are_each_taken_or_explained():
 @pytest.mark.parametrize("factory,name,value,advice", [
     ("safefactor", "decay_rate", -0.8, "their -0.8 is 0.8 here"),
     ("scale_by_safe_factored_rms", "decay_rate", -0.5, "their -0.5 is 0.5 here"),
-    ("safefactor", "eps", (1e-30, 1e-3), "eps=eps[0] and min_parameter_scale=eps[1]"),
+    ("safefactor", "eps", (1e-30, 1e-3),
+     "(transformers' eps pair is two settings here: eps=eps[0] and "
+     "min_parameter_scale=eps[1]; PyTorch's, eps=eps[0] ** 2 and the same)"),
+    ("safefactor", "eps", (None, 1e-3), "PyTorch's, eps=eps[0] ** 2"),
     ("scale_by_safe_factored_rms", "epsilon", (1e-30, 1e-3),
-     "epsilon=eps[0] and eps[1] floors the parameter scale"),
+     "epsilon=eps[0] and eps[1] floors the parameter scale, safefactor's "
+     "min_parameter_scale; PyTorch's, epsilon=eps[0] ** 2 and the same)"),
 ])
 def test_another_adafactors_convention_for_a_value_is_explained(factory, name, value, advice):
   with pytest.raises((TypeError, ValueError)) as raised:

@@ -36,7 +36,8 @@ _NAMES_ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
     "epsilon1": (("eps",), "T5X's name"),
     "epsilon2": (("min_parameter_scale",), "T5X's name"),
     "min_scale": (("min_parameter_scale",), "optax.scale_by_param_block_rms' name"),
-    "skip_nan_updates": (("skip_nonfinite_steps",), "T5X's name"),
+    "skip_nan_updates": (("skip_nonfinite_steps",), "T5X's name; it skips a non-finite step "
+                                                    "as a whole, and is on by default"),
     "factor_map": (("factor_rules",), "T5X's name"),
     "logical_factor_rules": (("factor_rules",), "T5X's name; give it as "
                                                 "factor_rules=osf.logical_factor_rules(...)"),
@@ -124,8 +125,8 @@ here, as in optax)"
   if name in ("eps", "epsilon") and np.shape(value) == (2,):
     second = ("min_parameter_scale=eps[1]" if name == "eps" else
               "eps[1] floors the parameter scale, safefactor's min_parameter_scale")
-    return (f" (transformers' and PyTorch's eps pair is two settings here: {name}=eps[0] "
-            f"and {second})")
+    return (f" (transformers' eps pair is two settings here: {name}=eps[0] and {second}; "
+            f"PyTorch's, {name}=eps[0] ** 2 and the same)")
   return ""
 
 
