@@ -119,6 +119,20 @@ def test_a_weight_decay_mask_that_misses_a_param_fails_in_init_with_its_path():
     tx.init(PARAMS)
 
 
+def test_a_weight_decay_mask_with_none_for_a_param_says_none_is_no_leaf():
+  mask = {"dense": {"kernel": True, "bias": None}}
+  tx = osf.safefactor(1e-3, weight_decay_rate=0.1, weight_decay_mask=mask)
+  with pytest.raises(ValueError, match=r"nothing for params\['dense'\]\['bias'\] "
+                                       r"\(weight_decay_mask\['dense'\]\['bias'\] is None, "
+                                       r"which JAX reads as an empty subtree, not a leaf: write "
+                                       r"False for a param not decayed\)$"):
+    tx.init(PARAMS)
+  # Nothing of it where no None is to blame.
+  tx = osf.safefactor(1e-3, weight_decay_rate=0.1, weight_decay_mask={"dense": {"kernel": True}})
+  with pytest.raises(ValueError, match=r"nothing for params\['dense'\]\['bias'\]$"):
+    tx.init(PARAMS)
+
+
 def test_a_weight_decay_mask_may_still_be_a_prefix_or_a_function():
   grads = jax.tree.map(jnp.ones_like, PARAMS)
   for mask in ({"dense": False}, lambda params: jax.tree.map(lambda _: False, params)):
@@ -137,6 +151,13 @@ def test_state_partition_specs_names_a_param_without_a_spec():
     osf.state_partition_specs(osf.safefactor(), PARAMS, {"dense": {"kernel": P()}})
   with pytest.raises(ValueError, match=r"param_specs must hold one PartitionSpec per param"):
     osf.state_partition_specs(osf.safefactor(), PARAMS, P())
+  # None for a replicated param, as jax.jit's shardings take it, is no leaf to a tree.
+  with pytest.raises(ValueError, match=r"nothing for params\['dense'\]\['bias'\] "
+                                       r"\(param_specs\['dense'\]\['bias'\] is None, which "
+                                       r"JAX reads as an empty subtree, not a leaf: write "
+                                       r"PartitionSpec\(\) for a replicated param\)$"):
+    osf.state_partition_specs(osf.safefactor(), PARAMS, {"dense": {"kernel": P(),
+                                                                   "bias": None}})
 
 
 def test_inject_hyperparams_still_passes_dtypes_and_seeds_as_arrays():

@@ -322,6 +322,14 @@ def test_partition_specs_and_migration_refuse_what_is_no_optimizer_or_mesh():
   concrete = {k: jnp.ones(s) for k, s in SHAPES.items()}
   with pytest.raises(TypeError, match="migrate_from_optax: " + called):
     osf.migrate_from_optax(optax.adafactor(0.1).init(concrete), osf.safefactor, concrete)
+  # The params or a state in the optimizer's place: named so, not printed whole.
+  in_place = (r"optimizer must be an optax GradientTransformation .*, got a {} holding \d+ "
+              r"arrays: the params, or an optimizer's state, in optimizer's place\?$")
+  with pytest.raises(TypeError, match="migrate_from_optax: " + in_place.format("dict")):
+    osf.migrate_from_optax(optax.adafactor(0.1).init(concrete), concrete, osf.safefactor(0.1))
+  with pytest.raises(TypeError, match="state_partition_specs: " + in_place.format(
+      "SkipNonfiniteState")):
+    osf.state_partition_specs(osf.safefactor(0.1).init(concrete), params, SPECS)
 
 
 def test_an_auto_mode_step_with_pinned_out_shardings_compiles_once_and_keeps_them():

@@ -150,7 +150,14 @@ def test_skip_nonfinite_names_an_optax_adafactor_state_as_a_wrapped_state():
      r"with_param_rounding: inner must be .*got a float \(0\.001\)"),
     (lambda: osf.skip_nonfinite(optax.MultiSteps),
      r"got the class optax\.MultiSteps; call it: optax\.MultiSteps\("),
-], ids=["factory", "safefactor_factory", "number", "class"])
+    # A tree of arrays was printed whole, burying the message; a long list too.
+    (lambda: osf.accumulate_gradients({"w": jnp.ones((300, 200)), "b": jnp.ones(200)}, 2),
+     r"inner must be .*got a dict holding 2 arrays: the params, or an optimizer's state, in "
+     r"inner's place\?$"),
+    (lambda: osf.skip_nonfinite(list(range(1000))),
+     r"got a list \(\[0, 1, 2, 3, 4, 5, \.\.\.\]\)$"),
+    (lambda: osf.skip_nonfinite(3), r"got an int \(3\)$"),
+], ids=["factory", "safefactor_factory", "number", "class", "params", "long", "int"])
 def test_wrappers_refuse_what_is_not_a_transformation_at_construction(build, message):
   with pytest.raises(TypeError, match=message):
     build()

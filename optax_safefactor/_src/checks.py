@@ -7,6 +7,7 @@ mismatch in a tree of hundreds of leaves is found at once.
 from __future__ import annotations
 
 import inspect
+import reprlib
 import sys
 from functools import partial
 from typing import Any
@@ -337,7 +338,15 @@ def check_transformation(inner: Any, wrapper: str, name: str = "inner") -> None:
     kind = "class" if is_class else "function"
     raise TypeError(f"{expected}, got the {kind} {_public_name(inner)}; call it: "
                     f"{_call_example(inner)}")
-  raise TypeError(f"{expected}, got a {type(inner).__name__} ({inner!r})")
+  arrays = sum(1 for leaf in jax.tree.leaves(inner) if np.ndim(leaf))
+  if arrays:
+    # A tree of arrays printed whole buried the message: say what it likely is instead.
+    raise TypeError(f"{expected}, got a {type(inner).__name__} holding {arrays} "
+                    f"array{'s' if arrays > 1 else ''}: the params, or an optimizer's state, "
+                    f"in {name}'s place?")
+  kind = type(inner).__name__
+  raise TypeError(f"{expected}, got {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
+                  f"({reprlib.repr(inner)})")
 
 
 def check_switch(value: Any, name: str) -> None:

@@ -319,7 +319,8 @@ def state_partition_specs(
     if _plain_spec(spec):  # else read as a tuple of params, each name one: "not in params"
       raise TypeError(f"param_specs{jax.tree_util.keystr(path)} must be a PartitionSpec, got "
                       f"the tuple {spec!r}: write PartitionSpec{tuple(spec)!r}")
-  trees.check_prefix_of(param_specs, params, "param_specs")
+  trees.check_prefix_of(param_specs, params, "param_specs",
+                        leaf="PartitionSpec() for a replicated param")
   if jax.tree.structure(param_specs, is_leaf=is_box) != jax.tree.structure(params,
                                                                            is_leaf=is_box):
     raise ValueError("param_specs must hold one PartitionSpec per param, shaped like params; "

@@ -68,7 +68,7 @@ def _decay_masks(weight_decay_mask: Any, params: Any) -> Any:
   if weight_decay_mask is None:
     return jax.tree.map(lambda _: True, params)
   mask = weight_decay_mask(params) if callable(weight_decay_mask) else weight_decay_mask
-  trees.check_prefix_of(mask, params, "weight_decay_mask")
+  trees.check_prefix_of(mask, params, "weight_decay_mask", leaf="False for a param not decayed")
   masks = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
   jax.tree_util.tree_map_with_path(trees.check_decay_mask, masks, params)
   return masks

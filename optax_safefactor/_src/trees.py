@@ -111,13 +111,21 @@ def _key_names(path: Any) -> tuple[str, ...]:
   return tuple(jax.tree_util.keystr((key,)) for key in path)
 
 
-def check_prefix_of(prefix: Any, full: Any, prefix_name: str, full_name: str = "params") -> None:
+def check_prefix_of(prefix: Any, full: Any, prefix_name: str, full_name: str = "params",
+                    *, leaf: str = "a leaf") -> None:
   """Raise ``ValueError`` naming the leaves where ``prefix`` is not a prefix tree of ``full``.
+  A ``None`` in ``prefix`` is named as such: JAX reads it as an empty subtree, where the user
+  (as with ``jax.jit``'s shardings) meant a leaf; ``leaf`` says what to write there.
 
   >>> check_prefix_of({"w": True}, {"w": 1.0, "b": 2.0}, "mask")
   Traceback (most recent call last):
   ...
   ValueError: mask does not match params (it may stop above params' leaves): nothing for params['b']
+  >>> check_prefix_of({"w": True, "b": None}, {"w": 1.0, "b": 2.0}, "mask", leaf="False")
+  Traceback (most recent call last):
+  ...
+  ValueError: mask does not match params (it may stop above params' leaves): nothing for \
+params['b'] (mask['b'] is None, which JAX reads as an empty subtree, not a leaf: write False)
   """
   try:
     jax.tree.map(lambda *_: None, prefix, full)
@@ -132,9 +140,15 @@ def check_prefix_of(prefix: Any, full: Any, prefix_name: str, full_name: str = "
 
   missing = [f for f in full_paths if not any(covers(p, f) for p in prefix_paths)]
   extra = [p for p in prefix_paths if not any(covers(p, f) for f in full_paths)]
+  nones = [_key_names(p) for p, x in jax.tree_util.tree_flatten_with_path(
+      prefix, is_leaf=lambda x: x is None)[0] if x is None]
   details = []
   if missing:
-    details.append("nothing for " + ", ".join(full_name + "".join(f) for f in missing))
+    named = [p for p in nones if any(covers(p, f) for f in missing)]
+    details.append("nothing for " + ", ".join(full_name + "".join(f) for f in missing) + (
+        f" ({', '.join(prefix_name + ''.join(p) for p in named)} "
+        f"{'is' if len(named) == 1 else 'are'} None, which JAX reads as an empty subtree, "
+        f"not a leaf: write {leaf})" if named else ""))
   if extra:
     details.append(", ".join(prefix_name + "".join(p) for p in extra) + f" not in {full_name}")
   # Same leaves, other node types (a list for a tuple, say): show both structures.
