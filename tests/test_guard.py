@@ -259,8 +259,22 @@ def test_skipped_steps_is_found_through_wrappers():
     _, state, _ = run_steps(tx, params, _nan_at({0, 2}), 3)
   # The outer guard sees zeros from the inner one: only the inner guard skips.
   assert int(osf.skipped_steps(state)) == 2
-  with pytest.raises(ValueError, match="no skip_nonfinite state"):
+  with pytest.raises(ValueError, match=r"no skip_nonfinite state.*accumulate_gradients\?$"):
     osf.skipped_steps(optax.sgd(0.1).init(params))
+
+
+@pytest.mark.parametrize("report", [osf.skipped_steps, osf.nonfinite_report,
+                                    osf.nonfinite_summary])
+def test_the_reports_on_optax_apply_if_finite_say_where_its_counts_are(report):
+  # optax's own guard around safefactor without its guard: the reports found nothing and
+  # said only that.
+  params = {"w": jnp.ones((3,))}
+  tx = optax.chain(optax.clip(1.0), optax.apply_if_finite(
+      osf.safefactor(0.1, skip_nonfinite_steps=False), 3))
+  with pytest.raises(ValueError, match=r"no skip_nonfinite state .* It holds "
+                                       r"optax.apply_if_finite's state, which counts in its "
+                                       r"own fields: opt_state\[1\]\.total_notfinite "):
+    report(tx.init(params))
 
 
 def test_state_nonfinite_is_caught_for_plain_transforms():

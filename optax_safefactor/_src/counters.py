@@ -322,10 +322,15 @@ def find_counters_with_paths(opt_state: Any) -> list[tuple[tuple[Any, ...], Any]
         "but not its types, so no guard can be found in it: pass optimizer.opt_state (or "
         "the nnx.Optimizer), after nnx.update or nnx.merge of a restored state")
   if not found:
+    # optax's own guard is the usual one to find instead: say where its counts are.
+    theirs = find_all_with_paths(opt_state, optax.ApplyIfFiniteState)
     raise ValueError(
         "no skip_nonfinite state found in opt_state; was the optimizer built with "
         "skip_nonfinite (safefactor does so unless skip_nonfinite_steps=False) or "
-        "accumulate_gradients?"
+        "accumulate_gradients?" + (
+            " It holds optax.apply_if_finite's state, which counts in its own fields: "
+            f"opt_state{jax.tree_util.keystr(theirs[0][0])}.total_notfinite (and "
+            ".notfinite_count, in a row)" if theirs else "")
     )
   if any(isinstance(unbox(guard.skipped_steps), jax.ShapeDtypeStruct) for _, guard in found):
     raise TypeError(
