@@ -134,8 +134,9 @@ def params_given_for(name: str, value: Any) -> str | None:
   """The refusal of a tree holding arrays (not itself one), given as the number ``name``, or
   ``None`` for any other value: params passed when the optimizer is built, as PyTorch's
   optimizers take them (``osf.safefactor(params, 1e-3)``), or a Flax NNX model, which is
-  callable and was taken for a schedule (``osf.safefactor(model)``). NumPy read a list of same-shape
-  arrays as one array, a Flax ``State`` as the array of its keys, and a dict as an object.
+  callable and was taken for a schedule (``osf.safefactor(model)``). NumPy read a list of
+  same-shape arrays as one array, a Flax ``State`` as the array of its keys, and a dict as
+  an object.
 
   >>> params_given_for("learning_rate", [1e-2]) is None
   True
