@@ -149,6 +149,8 @@ def test_the_reports_on_an_nnx_state_say_to_pass_the_optimizers_state():
   optimizer.update(model, jax.tree.map(lambda p: jnp.full_like(p, jnp.nan),
                                        nnx.state(model, nnx.Param)))
   assert int(osf.skipped_steps(optimizer.opt_state)) == 1
+  # The nnx.Optimizer itself, a flax.nnx type holding the guard, is read as its state.
+  assert int(osf.skipped_steps(optimizer)) == 1
   state = nnx.state((model, optimizer))
   for tree in (state, state[1]["opt_state"]):
     for report in (osf.skipped_steps, osf.nonfinite_summary, osf.nonfinite_report):
