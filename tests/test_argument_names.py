@@ -251,6 +251,11 @@ def test_numbers_and_schedules_are_still_taken():
      "'step_offset': here it is decay_offset (step_offset is optax.scale_by_factored_rms' and "
      "T5X's name); overrides go to osf.safefactor"),
     (lambda: osf.presets.torch(beta1=0.9), "'beta1': here it is momentum ("),
+    (lambda: osf.presets.transformers(lr=1e-3, relative_stpe=False),
+     "'relative_stpe'; did you mean relative_step? Overrides go to osf.safefactor"),
+    # **overrides is how the preset takes safefactor's arguments, not one of its own.
+    (lambda: osf.presets.transformers(overides={}),
+     "got an unexpected keyword argument 'overides'; overrides go to osf.safefactor"),
 ])
 def test_a_presets_unknown_argument_is_answered_from_its_own_and_the_free_ones(build, says):
   with pytest.raises(TypeError) as raised:
