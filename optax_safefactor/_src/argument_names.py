@@ -47,6 +47,11 @@ _NAMES_ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
     "mask": (("weight_decay_mask",), "optax.add_decayed_weights' name"),
 }
 
+# Where the params go, said both to params=... and to params given for a setting.
+_PARAMS_GO_TO_INIT = ("an optax optimizer is built from its settings alone and takes the params "
+                      "in init(params), which nnx.Optimizer(model, optimizer, wrt=nnx.Param) "
+                      "calls")
+
 # Other Adafactors' arguments with no one argument here, and what to do instead; said only
 # to the functions that take a decay_rate (the Adafactors).
 _NOT_ARGUMENTS_HERE = {
@@ -63,8 +68,7 @@ _NOT_ARGUMENTS_HERE = {
     "global_norm_clip_threshold": "T5X's: chain optax.clip_by_global_norm(threshold) before "
                                   "this optimizer",
     "weight_decay_rate_lr_exponent": "T5X's: osf.presets.t5x takes it",
-    "params": "an optax optimizer is built from its settings alone and takes the params in "
-              "init(params), which nnx.Optimizer(model, optimizer, wrt=nnx.Param) calls",
+    "params": _PARAMS_GO_TO_INIT,
 }
 _NOT_ARGUMENTS_HERE["b2"] = _NOT_ARGUMENTS_HERE["beta2"]
 
@@ -145,12 +149,24 @@ def params_given_for(name: str, value: Any) -> str | None:
 params, or a model?): an optax optimizer is built from its settings alone and takes the \
 params in init(params), which nnx.Optimizer(model, optimizer, wrt=nnx.Param) calls'
   """
+  holding = tree_of_arrays(value)
+  if holding is None:
+    return None
+  return (f"{name} must be a number, an array or a schedule, got {holding} (the params, or a "
+          f"model?): {_PARAMS_GO_TO_INIT}")
+
+
+def tree_of_arrays(value: Any) -> str | None:
+  """``value`` described by its type and number of arrays (``"a dict holding 2 arrays"``)
+  where it is a tree holding arrays but not an array itself, else ``None``: printed whole,
+  such a value buries the message around it.
+
+  >>> tree_of_arrays({"w": np.ones(3), "b": np.ones(2)}), tree_of_arrays(np.ones(3))
+  ('a dict holding 2 arrays', None)
+  """
   if isinstance(value, (jax.Array, np.ndarray, np.generic)):
     return None
-  arrays = [leaf for leaf in jax.tree.leaves(value) if np.ndim(leaf)]
+  arrays = sum(1 for leaf in jax.tree.leaves(value) if np.ndim(leaf))
   if not arrays:
     return None
-  return (f"{name} must be a number, an array or a schedule, got a {type(value).__name__} "
-          f"holding {len(arrays)} array{'s' if len(arrays) > 1 else ''} (the params, or a "
-          "model?): an optax optimizer is built from its settings alone and takes the params "
-          "in init(params), which nnx.Optimizer(model, optimizer, wrt=nnx.Param) calls")
+  return f"a {type(value).__name__} holding {arrays} array{'s' if arrays > 1 else ''}"

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import placement
+from optax_safefactor._src import argument_names, placement
 from optax_safefactor._src.write_back import is_narrow
 
 KeyPath = tuple[Any, ...]
@@ -338,12 +338,10 @@ def check_transformation(inner: Any, wrapper: str, name: str = "inner") -> None:
     kind = "class" if is_class else "function"
     raise TypeError(f"{expected}, got the {kind} {_public_name(inner)}; call it: "
                     f"{_call_example(inner)}")
-  arrays = sum(1 for leaf in jax.tree.leaves(inner) if np.ndim(leaf))
-  if arrays:
-    # A tree of arrays printed whole buried the message: say what it likely is instead.
-    raise TypeError(f"{expected}, got a {type(inner).__name__} holding {arrays} "
-                    f"array{'s' if arrays > 1 else ''}: the params, or an optimizer's state, "
-                    f"in {name}'s place?")
+  holding = argument_names.tree_of_arrays(inner)
+  if holding:
+    raise TypeError(f"{expected}, got {holding}: the params, or an optimizer's state, in "
+                    f"{name}'s place?")
   kind = type(inner).__name__
   raise TypeError(f"{expected}, got {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
                   f"({reprlib.repr(inner)})")
