@@ -169,6 +169,7 @@ def accumulate_gradients(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    params = placement.numpy_as_jax(params)
     # A mask inside (accumulate_gradients(optax.masked(...))) still hands every leaf to
     # the accumulator: the mask goes around it.
     checks.check_init_params(params, exclude=(

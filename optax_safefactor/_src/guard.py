@@ -424,6 +424,7 @@ def skip_nonfinite(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    params = placement.numpy_as_jax(params)
     # Any dtype: skip_nonfinite wraps any transformation, which decides about integer leaves.
     checks.check_init_params(params, any_dtype=True)
     inner_state = inner.init(params)

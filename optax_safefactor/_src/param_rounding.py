@@ -168,6 +168,7 @@ def with_param_rounding(
   keeps_compensation = write_back.keeps_compensation(mode)
 
   def init_fn(params):
+    params = placement.numpy_as_jax(params)
     # Any dtype: inner decides about integer leaves; the rounding skips them.
     checks.check_init_params(params, any_dtype=True)
     unrounded = write_back.nothing_to_round(

@@ -10,11 +10,13 @@ needs is an all-reduce of a row- or column-sized statistic or of a scalar.
 
 Flax boxes (nnx Variables, linen ``Partitioned``) are recognised by their methods,
 not their types, since flax is optional. An update handed boxed grads steps the arrays
-inside and boxes its results back (:func:`through_boxes`).
+inside and boxes its results back (:func:`through_boxes`). NumPy arrays are taken as
+``jax.jit`` takes them (:func:`numpy_as_jax`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -22,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from optax_safefactor._src import compat, trees
@@ -141,6 +144,30 @@ def boxed_like(boxes: Any, values: Any) -> Any:
                       boxes, values, is_leaf=_any_box)
 
 
+_NUMPY_ARRAYS = (np.ndarray, np.generic)
+
+
+def _as_jax_array(x: Any) -> Any:
+  return jnp.asarray(x) if isinstance(x, _NUMPY_ARRAYS) else x
+
+
+def numpy_as_jax(tree: Any) -> Any:
+  """``tree`` with its NumPy arrays as JAX arrays: what ``jax.jit`` would hand the step.
+
+  A NumPy float64 array (``np.ones``, ``np.random.randn``, a ``.npz`` file) is float32
+  to JAX unless 64-bit JAX is on, and a jitted step sees it so. Taken as it is, an eager
+  step would work out float64 statistics for a float32 optimizer state and refuse it.
+  Anything else, a Python number included, stays as it is for the checks to judge.
+
+  >>> numpy_as_jax({"w": np.ones(2), "b": 1.0})
+  {'b': 1.0, 'w': Array([1., 1.], dtype=float32)}
+  """
+  # ``map`` of the builtin: no Python frame per leaf on the usual path, where none is.
+  if any(map(isinstance, jax.tree.leaves(tree), itertools.repeat(_NUMPY_ARRAYS))):
+    return jax.tree.map(_as_jax_array, tree)
+  return tree
+
+
 def through_boxes(update_fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
   """``update_fn`` for grads that may come boxed: it steps the arrays inside.
 
@@ -148,10 +175,12 @@ def through_boxes(update_fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tu
   is a pytree node, and ``jax.grad`` boxes the grads as the params are). The step runs on
   the arrays, so every leaf is named, planned and rounded as it would be unboxed; the
   updates come back boxed as the grads are (``optax.apply_updates`` adds them to the
-  boxed params) and the state as it came in.
+  boxed params) and the state as it came in. NumPy arrays come in as ``jax.jit`` would
+  hand them in (:func:`numpy_as_jax`), so that an eager step is the jitted one.
   """
 
   def update(updates, state, params=None, **extra_args):
+    updates, state, params = numpy_as_jax((updates, state, params))
     # Two flattenings, no tree rebuilt, when nothing is boxed (nnx.Optimizer unboxes).
     if jax.tree.structure(updates, is_leaf=is_box) == jax.tree.structure(updates):
       return update_fn(updates, state, params, **extra_args)

@@ -101,6 +101,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
   def init_fn(params):
     _check_64_bit_state(hp)
+    params = placement.numpy_as_jax(params)
     planned = []
     rounded = []  # (stored dtype, compute dtype) of what the write-back rounds
 
@@ -219,15 +220,16 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     if hp.pack_small_leaves and leaf_count >= packing.MIN_LEAVES_TO_PACK:
       units = packing.units(*columns, enabled=True)
       any_packed = any([unit.packed for unit in units])
+      # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups.
+      leaf_inputs = list(zip(*columns, strict=True))
+      inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
+                else list(leaf_inputs[unit.index]) for unit in units]
     else:
       # Too few leaves for a packed group: packing's bookkeeping is not entered at all.
       units = [packing.Unit(packing.Group((index,), (tuple(grad.shape),)), False, index, (index,))
                for index, grad in enumerate(columns[0])]
       any_packed = False
-    # A leaf stepped alone is its own unit: packing's bookkeeping is for packed groups only.
-    leaf_inputs = list(zip(*columns, strict=True))
-    inputs = [[packing.gather(unit, column) for column in columns] if unit.packed
-              else list(leaf_inputs[unit.index]) for unit in units]
+      inputs = list(map(list, zip(*columns, strict=True)))
     if rounds_onto_params:
       roundings = write_back.with_stream_keys(
           [leaf.rounding for _, leaf, *_ in inputs],
