@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import optax_safefactor as osf
 from optax_safefactor._src import kernel
@@ -462,3 +464,95 @@ def test_a_restore_target_passed_as_the_state_is_named(name):
   with pytest.raises(TypeError, match=r"opt_state\S*count is a jax.ShapeDtypeStruct.*restore "
                                       r"a checkpoint into"):
     tx.update(params, target, params)
+
+
+# The pairs jax's differentiation returns, given whole where the gradients belong.
+_PAIRS = {
+    "value_and_grad": (lambda loss, params: jax.value_and_grad(loss)(params),
+                       r"grads is the pair \(value, grads\) that jax.value_and_grad returns.*"
+                       r"loss, grads = jax.value_and_grad\(loss_fn\)\(params\)"),
+    "value_and_grad_has_aux": (
+        lambda loss, params: jax.value_and_grad(lambda p: (loss(p), {"accuracy": 0.5}),
+                                                has_aux=True)(params),
+        r"grads is the pair \(\(value, aux\), grads\) that jax.value_and_grad returns.*"
+        r"\(loss, aux\), grads = jax.value_and_grad\(loss_fn, has_aux=True\)\(params\)"),
+    # A Python float in aux: a leaf that is no array, whose error would hide the pair's.
+    "grad_has_aux": (
+        lambda loss, params: jax.grad(lambda p: (loss(p), {"accuracy": 0.5}),
+                                      has_aux=True)(params),
+        r"grads is the pair \(grads, aux\) that jax.grad\(..., has_aux=True\) returns.*"
+        r"grads, aux = jax.grad\(loss_fn, has_aux=True\)\(params\)"),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(_PAIRS))
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_a_pair_from_value_and_grad_or_has_aux_is_named(name, pair):
+  params = _params()
+  tx = TRANSFORMATIONS[name].build()
+  make_pair, message = _PAIRS[pair]
+  grads = make_pair(lambda p: sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(p)), params)
+  with pytest.raises(ValueError, match=message):
+    tx.update(grads, tx.init(params), params)
+
+
+@pytest.mark.parametrize("pair", sorted(_PAIRS))
+def test_a_pair_is_named_without_params_too(pair):
+  """No params given: the grads are checked against the optimizer state's moments."""
+  params = _params()
+  tx = osf.safefactor(0.1, multiply_by_parameter_scale=False)
+  make_pair, message = _PAIRS[pair]
+  grads = make_pair(lambda p: sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(p)), params)
+  with pytest.raises(ValueError, match="grads do not match the optimizer state: " + message):
+    tx.update(grads, tx.init(params))
+
+
+def test_a_two_param_tuple_is_no_pair_and_other_mismatches_are_listed():
+  """Params that are themselves a pair step; grads that match neither item are listed."""
+  params = (jnp.ones((3,)), jnp.ones((2,)))
+  tx = osf.safefactor(0.1)
+  state = tx.init(params)
+  tx.update(params, state, params)
+  with pytest.raises(ValueError, match=r"missing from grads: params\[1\]") as error:
+    tx.update((jnp.ones((3,)),), state, params)
+  assert "pair" not in str(error.value)
+  # Both items the params' shape: which is the gradient cannot be told.
+  nested = {"w": jnp.ones((3,))}
+  with pytest.raises(ValueError, match="missing from grads") as error:
+    tx.update((nested, nested), tx.init(nested), nested)
+  assert "pair" not in str(error.value)
+
+
+_TREES = st.recursive(
+    st.just(None),
+    lambda children: (st.dictionaries(st.sampled_from("abc"), children, min_size=1, max_size=3)
+                      | st.lists(children, min_size=1, max_size=2).map(tuple)),
+    max_leaves=5,
+).filter(lambda tree: tree is not None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape_tree=_TREES, pair=st.sampled_from(sorted(_PAIRS)))
+def test_any_params_tree_given_as_such_a_pair_is_named(shape_tree, pair):
+  """Params of any nesting of dicts and tuples (a tuple of two among them)."""
+  leaves, treedef = jax.tree.flatten(shape_tree, is_leaf=lambda x: x is None)
+  params = treedef.unflatten([jnp.full((2,), float(i + 1)) for i in range(len(leaves))])
+  tx = osf.safefactor(0.1)
+  state = tx.init(params)
+  tx.update(params, state, params)
+  make_pair, message = _PAIRS[pair]
+  grads = make_pair(lambda p: sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(p)), params)
+  with pytest.raises(ValueError, match=message):
+    tx.update(grads, state, params)
+
+
+@pytest.mark.parametrize("pair", sorted(_PAIRS))
+def test_a_pair_is_refused_around_a_transformation_that_would_step_it(pair):
+  """optax.sgd steps any tree, a (value, grads) pair included: its updates would then
+  fail in optax.apply_updates, far from the cause."""
+  params = _params()
+  tx = osf.skip_nonfinite(optax.sgd(0.1))
+  make_pair, message = _PAIRS[pair]
+  grads = make_pair(lambda p: sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(p)), params)
+  with pytest.raises(ValueError, match=message):
+    tx.update(grads, tx.init(params), params)

@@ -158,6 +158,26 @@ def test_the_reports_on_an_nnx_state_say_to_pass_the_optimizers_state():
         report(tree)
 
 
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_nnx_value_and_grads_pair_given_to_the_optimizer_is_named(has_aux):
+  # nnx.Optimizer.update hands the pair on as an nnx.State keyed 1 (the loss, no param,
+  # filtered out): the error listed params[1]['bias'] as missing and unexpected at once.
+  model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, osf.safefactor(1e-2), wrt=nnx.Param)
+
+  def loss_fn(model):
+    loss = jnp.mean(model(jnp.ones((2, 8))) ** 2)
+    return (loss, {"accuracy": jnp.ones(())}) if has_aux else loss
+
+  pair = nnx.value_and_grad(loss_fn, has_aux=has_aux)(model)
+  with pytest.raises(ValueError, match=r"grads do not match the optimizer state: grads is the "
+                                       r"pair \(value, grads\) that jax.value_and_grad returns "
+                                       r"\(nnx.value_and_grad alike\)"):
+    optimizer.update(model, pair)
+  optimizer.update(model, pair[1])
+  assert int(optimizer.opt_state.inner_state.count) == 1
+
+
 def test_an_nnx_optimizers_optax_state_migrates_into_its_opt_state():
   # The converted state came out in the params' boxes, not the optimizer's: assigned to
   # optimizer.opt_state, the next update failed inside flax ("Cannot set key

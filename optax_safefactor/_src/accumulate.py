@@ -188,9 +188,9 @@ def accumulate_gradients(
     state_checks.check_state_type(state, AccumulationState, updates, "accumulate_gradients")
     state_checks.check_counters(state, ("accumulated", "applied_steps"))
     state_checks.check_counters(state.micro_batches, counters.COUNTER_FIELDS)
+    checks.check_same_structure(updates, state.accumulator, "the accumulator")
     jax.tree_util.tree_map_with_path(
         lambda path, grad: checks.check_param_leaf(path, grad, "grad"), updates)
-    checks.check_same_structure(updates, state.accumulator, "the accumulator")
     # The accumulator has its param's shape: a grad of another shape would broadcast
     # into it, or fail there without a path. Checked even when params are not given.
     jax.tree_util.tree_map_with_path(checks.check_grad_shape, updates, state.accumulator)

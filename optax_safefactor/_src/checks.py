@@ -41,6 +41,9 @@ def check_same_structure(tree: Any, reference: Any, reference_name: str, *,
   reference_def = jax.tree.structure(reference)
   if tree_def == reference_def:
     return
+  pair = gradient_pair(tree, reference)
+  if pair:
+    raise ValueError(f"{name} do not match {reference_name}: {name} is {pair}{hint}")
   paths, reference_paths = _paths(tree), _paths(reference)
   missing = [p for p in reference_paths if p not in set(paths)]
   unexpected = [p for p in paths if p not in set(reference_paths)]
@@ -55,6 +58,49 @@ def check_same_structure(tree: Any, reference: Any, reference_name: str, *,
     details.append(_first_node_difference(tree_def, reference_def, name) or
                    f"{name} tree {tree_def} != {reference_name} tree {reference_def}")
   raise ValueError(f"{name} do not match {reference_name}: " + "; ".join(details) + hint)
+
+
+def _leaf_paths(tree: Any) -> list[tuple[Any, ...]]:
+  """Each leaf's key path, a flax box taken as one leaf."""
+  return [path for path, _ in
+          jax.tree_util.tree_flatten_with_path(tree, is_leaf=placement.is_box)[0]]
+
+
+def gradient_pair(tree: Any, reference: Any) -> str | None:
+  """What a pair given for the gradients is, when one item of it is the gradients: the
+  result of ``jax.value_and_grad`` (``(value, grads)``, with ``has_aux`` ``((value, aux),
+  grads)``) or of ``jax.grad(..., has_aux=True)`` (``(grads, aux)``), passed whole.
+
+  Read from the leaves' paths, so that containers of another kind still match:
+  ``nnx.Optimizer.update`` hands on such a pair as an ``nnx.State`` keyed 1, its params'
+  part alone (the loss, no param, filtered out).
+
+  >>> grads = {"w": 0.5}
+  >>> print(gradient_pair((1.0, grads), grads))
+  the pair (value, grads) that jax.value_and_grad returns (nnx.value_and_grad alike): ...
+  >>> gradient_pair(grads, grads) is None
+  True
+  """
+  by_item: dict[Any, set[str]] = {}
+  for path in _leaf_paths(tree):
+    item = getattr(path[0], "idx", getattr(path[0], "key", None)) if path else None
+    if item not in (0, 1):
+      return None
+    by_item.setdefault(item, set()).add(jax.tree_util.keystr(path[1:]))
+  wanted = {jax.tree_util.keystr(path) for path in _leaf_paths(reference)}
+  if by_item.get(1) == wanted and by_item.get(0) != wanted:
+    with_aux = isinstance(tree, tuple) and isinstance(tree[0], tuple) and len(tree[0]) == 2
+    returned, call = (("((value, aux), grads)",
+                       "(loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)")
+                      if with_aux else
+                      ("(value, grads)", "loss, grads = jax.value_and_grad(loss_fn)(params)"))
+    return (f"the pair {returned} that jax.value_and_grad returns (nnx.value_and_grad "
+            f"alike): step with its second item alone, as in {call}")
+  if by_item.get(0) == wanted and by_item.get(1) != wanted:
+    return ("the pair (grads, aux) that jax.grad(..., has_aux=True) returns (nnx.grad "
+            "alike): step with its first item alone, as in grads, aux = jax.grad(loss_fn, "
+            "has_aux=True)(params)")
+  return None
 
 
 def _first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str | None:
@@ -240,10 +286,13 @@ def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = Fal
   an array and that shapes agree, and leaves dtypes to the wrapped transformation.
   ``name`` is what the user knows ``grads`` as, in the structure error.
   """
+  if params is not None:
+    # The structure first: a pair of the gradients and a loss or aux is a whole mistake,
+    # which a leaf of it that is no array (aux's Python float) would hide.
+    check_same_structure(grads, params, "params", name=name)
   jax.tree_util.tree_map_with_path(
       partial(check_param_leaf, what="grad", any_dtype=any_dtype, stepped=True), grads)
   if params is not None:
-    check_same_structure(grads, params, "params", name=name)
     jax.tree_util.tree_map_with_path(
         partial(check_grad_matches_param, any_dtype=any_dtype),
         grads, params)
@@ -395,9 +444,8 @@ def traced_shape_setting(name: str, decides: str) -> TypeError:
 
 def check_update_against_state(grads: Any, params: Any | None, moments: Any,
                                moment_types: tuple[type, ...]) -> None:
-  """:func:`check_update_inputs`, then the grads against the state's per-leaf moments
-  (one node of ``moment_types`` per grad leaf)."""
-  check_update_inputs(grads, params)
+  """The grads against the state's per-leaf moments (one node of ``moment_types`` per
+  grad leaf), then :func:`check_update_inputs`: the structure before the leaves."""
   try:
     per_leaf = jax.tree.structure(grads).flatten_up_to(moments)
   except (ValueError, TypeError):
@@ -408,3 +456,4 @@ def check_update_against_state(grads: Any, params: Any | None, moments: Any,
         grads, jax.tree.map(lambda _: 0, moments, is_leaf=lambda x: isinstance(x, moment_types)),
         "the optimizer state",
     )
+  check_update_inputs(grads, params)

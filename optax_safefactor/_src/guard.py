@@ -298,17 +298,18 @@ def _grads_error(grads: Any, params: Any | None, counted: Any) -> ValueError | N
   """The error for grads whose leaves are not the params', or ``None`` when they are.
 
   Raised when the wrapped transformation refuses such grads (in its place, JAX's bare
-  structure error) or when spike skipping, which names a spike by the param whose
-  gradient is largest, needs the grads' leaves to be the params'. Leaves that are not
+  structure error, or steps what it should not: a (value, grads) pair, whose updates are
+  then not shaped like the params) or when spike skipping, which names a spike by the
+  param whose gradient is largest, needs the grads' leaves to be the params'. The
+  structure comes first (a pair's aux may hold a Python float); then leaves that are not
   arrays and grads that differ from their params in shape are refused at once.
   """
-  checks.check_update_inputs(grads, None, any_dtype=True)
   if params is not None:
     try:
       checks.check_same_structure(grads, params, "params")
     except ValueError as error:
       return error
-    checks.check_update_inputs(grads, params, any_dtype=True)
+  checks.check_update_inputs(grads, params, any_dtype=True)
   # The counters name init's params. (Leaves, not whole structures: a param optax.masked
   # leaves out is boxed in init's tree under nnx, bare in grads.)
   if counted.num_leaves != len(jax.tree.leaves(grads)):
