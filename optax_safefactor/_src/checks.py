@@ -16,115 +16,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import argument_names, placement
+from optax_safefactor._src import argument_names, placement, tree_mismatch
+from optax_safefactor._src.tree_mismatch import path_name
 from optax_safefactor._src.write_back import is_narrow
 
 KeyPath = tuple[Any, ...]
 
 
-def path_name(path: KeyPath, root: str = "params") -> str:
-  """``params['dense']['kernel']`` for a key path."""
-  return root + jax.tree_util.keystr(path)
-
-
-def _paths(tree: Any) -> list[str]:
-  return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def check_same_structure(tree: Any, reference: Any, reference_name: str, *,
                          name: str = "grads", hint: str = "") -> None:
-  """Raise ``ValueError`` listing missing and unexpected leaves when the trees differ.
-
-  ``name`` is what the user passed as ``tree``; ``hint``, if any, ends the message.
-  """
-  tree_def = jax.tree.structure(tree)
-  reference_def = jax.tree.structure(reference)
-  if tree_def == reference_def:
-    return
-  pair = gradient_pair(tree, reference)
-  if pair:
-    raise ValueError(f"{name} do not match {reference_name}: {name} is {pair}{hint}")
-  paths, reference_paths = _paths(tree), _paths(reference)
-  missing = [p for p in reference_paths if p not in set(paths)]
-  unexpected = [p for p in paths if p not in set(reference_paths)]
-  details = []
-  if missing:
-    details.append(f"missing from {name}: {', '.join(missing)}")
-  if unexpected:
-    details.append(f"in {name} but not in {reference_name}: {', '.join(unexpected)}")
-  if not details:
-    # The same leaves in other containers (flax's boxes of another kind, a list for a
-    # tuple): name the first container that differs rather than print both trees.
-    details.append(_first_node_difference(tree_def, reference_def, name) or
-                   f"{name} tree {tree_def} != {reference_name} tree {reference_def}")
-  raise ValueError(f"{name} do not match {reference_name}: " + "; ".join(details) + hint)
-
-
-def _leaf_paths(tree: Any) -> list[tuple[Any, ...]]:
-  """Each leaf's key path, a flax box taken as one leaf."""
-  return [path for path, _ in
-          jax.tree_util.tree_flatten_with_path(tree, is_leaf=placement.is_box)[0]]
-
-
-def gradient_pair(tree: Any, reference: Any) -> str | None:
-  """What a pair given for the gradients is, when one item of it is the gradients: the
-  result of ``jax.value_and_grad`` (``(value, grads)``, with ``has_aux`` ``((value, aux),
-  grads)``) or of ``jax.grad(..., has_aux=True)`` (``(grads, aux)``), passed whole.
-
-  Read from the leaves' paths, so that containers of another kind still match:
-  ``nnx.Optimizer.update`` hands on such a pair as an ``nnx.State`` keyed 1, its params'
-  part alone (the loss, no param, filtered out).
-
-  >>> grads = {"w": 0.5}
-  >>> print(gradient_pair((1.0, grads), grads))
-  the pair (value, grads) that jax.value_and_grad returns (nnx.value_and_grad alike): ...
-  >>> gradient_pair(grads, grads) is None
-  True
-  """
-  by_item: dict[Any, set[str]] = {}
-  for path in _leaf_paths(tree):
-    item = getattr(path[0], "idx", getattr(path[0], "key", None)) if path else None
-    if item not in (0, 1):
-      return None
-    by_item.setdefault(item, set()).add(jax.tree_util.keystr(path[1:]))
-  wanted = {jax.tree_util.keystr(path) for path in _leaf_paths(reference)}
-  if by_item.get(1) == wanted and by_item.get(0) != wanted:
-    with_aux = isinstance(tree, tuple) and isinstance(tree[0], tuple) and len(tree[0]) == 2
-    returned, call = (("((value, aux), grads)",
-                       "(loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)")
-                      if with_aux else
-                      ("(value, grads)", "loss, grads = jax.value_and_grad(loss_fn)(params)"))
-    return (f"the pair {returned} that jax.value_and_grad returns (nnx.value_and_grad "
-            f"alike): step with its second item alone, as in {call}")
-  if by_item.get(0) == wanted and by_item.get(1) != wanted:
-    return ("the pair (grads, aux) that jax.grad(..., has_aux=True) returns (nnx.grad "
-            "alike): step with its first item alone, as in grads, aux = jax.grad(loss_fn, "
-            "has_aux=True)(params)")
-  return None
-
-
-def _first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str | None:
-  """Where two tree structures first hold different kinds of node, in words.
-
-  >>> _first_node_difference(jax.tree.structure({"w": (1, 2)}),
-  ...                        jax.tree.structure({"w": [1, 2]}), "params")
-  "at params['w'], a tuple where the other holds a list"
-  """
-  data, reference_data = tree_def.node_data(), reference_def.node_data()
-  kind, reference_kind = (None if d is None else d[0] for d in (data, reference_data))
-  if kind is not reference_kind:
-    def noun(node_kind):
-      return "leaf" if node_kind is None else node_kind.__name__
-    return f"at {path}, a {noun(kind)} where the other holds a {noun(reference_kind)}"
-  children, reference_children = tree_def.children(), reference_def.children()
-  keys = data[1] if kind is dict else range(len(children))
-  if len(children) != len(reference_children):
-    return None
-  for key, child, reference_child in zip(keys, children, reference_children, strict=True):
-    found = _first_node_difference(child, reference_child, f"{path}[{key!r}]")
-    if found:
-      return found
-  return None
+  """``ValueError`` when the trees' structures differ, saying why
+  (:func:`tree_mismatch.mismatch_error`). ``name`` is what the user passed as ``tree``;
+  ``hint``, if any, ends the message."""
+  if jax.tree.structure(tree) != jax.tree.structure(reference):
+    raise tree_mismatch.mismatch_error(tree, reference, reference_name, name=name, hint=hint)
 
 
 _EXCLUDE = "exclude it with optax.masked or optax.multi_transform"
