@@ -597,3 +597,13 @@ def test_a_larger_tree_under_any_dict_key_is_named_without_linen_and_ambiguity_i
   # Under two keys: which one the grads belong to cannot be told.
   with pytest.raises(ValueError, match=r"missing from grads: params\['a'\]"):
     tx.update(params, tx.init(params), {"a": params, "b": params})
+
+
+def test_a_pair_with_a_first_item_of_three_is_the_plain_value_and_grad():
+  """Only has_aux makes the value a pair ((value, aux), grads): three values are a value."""
+  params = _params()
+  tx = osf.safefactor(0.1)
+  values = (jnp.ones(()), jnp.ones(()), jnp.ones(()))
+  with pytest.raises(ValueError, match=re.escape(
+      "grads is the pair (value, grads) that jax.value_and_grad returns")):
+    tx.update((values, params), tx.init(params), params)
