@@ -10,6 +10,7 @@ optimizer state is float32, but this optimizer keeps it in float64"), and warn a
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -155,3 +156,16 @@ def test_every_setting_steps_numpy_params_as_their_jax_arrays(options, seed):
   expected = _steps(tx, _as_jax(params), _as_jax(grads), strict=False)
   actual = _steps(tx, params, grads, strict=False)
   assert_trees_bitwise_equal(actual, expected)
+
+
+@pytest.mark.parametrize("leaf, message", [
+    (np.array([1, 2], np.int64), "param dtype int64 is not floating or complex"),
+    (np.array([True]), "param dtype bool is not floating or complex"),
+    (np.array(["a", "b"]), "param dtype <U1 is not floating or complex"),
+])
+def test_a_numpy_leaf_of_no_floating_dtype_is_refused_as_it_was_given(leaf, message):
+  """Only floating and complex NumPy arrays are taken as JAX arrays: an integer array keeps
+  its dtype for the message, and a string array gets the package's error, not JAX's."""
+  tx = osf.safefactor(1e-2)
+  with pytest.raises(TypeError, match=re.escape(f"params['x']: {message}")):
+    tx.init({"w": np.ones((6, 5)), "x": leaf})

@@ -148,7 +148,12 @@ _NUMPY_ARRAYS = (np.ndarray, np.generic)
 
 
 def _as_jax_array(x: Any) -> Any:
-  return jnp.asarray(x) if isinstance(x, _NUMPY_ARRAYS) else x
+  # Floating and complex arrays alone: an integer array keeps its own dtype for the checks'
+  # messages (int64, not the int32 JAX would make of it), and a string array is no array
+  # JAX can hold.
+  if isinstance(x, _NUMPY_ARRAYS) and jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.asarray(x)
+  return x
 
 
 def numpy_as_jax(tree: Any) -> Any:
@@ -157,7 +162,8 @@ def numpy_as_jax(tree: Any) -> Any:
   A NumPy float64 array (``np.ones``, ``np.random.randn``, a ``.npz`` file) is float32
   to JAX unless 64-bit JAX is on, and a jitted step sees it so. Taken as it is, an eager
   step would work out float64 statistics for a float32 optimizer state and refuse it.
-  Anything else, a Python number included, stays as it is for the checks to judge.
+  Anything else, a Python number and a NumPy integer array included, stays as it is for
+  the checks to judge.
 
   >>> numpy_as_jax({"w": np.ones(2), "b": 1.0})
   {'b': 1.0, 'w': Array([1., 1.], dtype=float32)}
