@@ -178,6 +178,29 @@ def test_nnx_value_and_grads_pair_given_to_the_optimizer_is_named(has_aux):
   assert int(optimizer.opt_state.inner_state.count) == 1
 
 
+@pytest.mark.parametrize("make", [lambda: osf.safefactor(1e-2),
+                                  lambda: osf.accumulate_gradients(osf.safefactor(1e-2), 2)],
+                         ids=["safefactor", "accumulate_gradients"])
+def test_the_whole_nnx_state_given_to_init_names_the_params_filter(make):
+  # nnx.state(model) holds the RNG streams' counts and the batch statistics beside the
+  # params: the first integer count was refused with the advice to mask it out.
+  class WithDropout(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(8, 4, rngs=rngs)
+      self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  model = WithDropout(nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"\['count'\]: param dtype uint32 is not floating or "
+                                      r"complex; it is an nnx Rng\w+, not a Param: an optimizer "
+                                      r"takes the params alone, nnx.state\(model, nnx.Param\)"):
+    make().init(nnx.state(model))
+  make().init(nnx.state(model, nnx.Param))
+  # An integer Param is a param: the advice to leave it out stays.
+  with pytest.raises(TypeError, match=r"\['step'\]: param dtype int32 is not floating or "
+                                      r"complex; (exclude it|accumulate_gradients sums)"):
+    make().init({"step": nnx.Param(jnp.zeros((), jnp.int32))})
+
+
 def test_an_nnx_optimizers_optax_state_migrates_into_its_opt_state():
   # The converted state came out in the params' boxes, not the optimizer's: assigned to
   # optimizer.opt_state, the next update failed inside flax ("Cannot set key

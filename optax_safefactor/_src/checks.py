@@ -37,14 +37,16 @@ _EXCLUDE = "exclude it with optax.masked or optax.multi_transform"
 
 def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
                      any_dtype: bool = False, exclude: str = _EXCLUDE,
-                     stepped: bool = False) -> None:
+                     stepped: bool = False, box: Any = None) -> None:
   """A leaf must be a floating or complex array: no Python numbers, no integers or bools.
 
   ``any_dtype`` accepts integer and bool arrays too: the wrappers around any optax
   transformation leave dtypes to it (an integer leaf under ``optax.set_to_zero``, say)
   and only need arrays. ``exclude`` says how to leave an integer leaf out. A leaf
   ``stepped`` by ``update`` must have values: a ``jax.ShapeDtypeStruct`` has the shape
-  and dtype of an array and none (``init`` needs only those, and takes one).
+  and dtype of an array and none (``init`` needs only those, and takes one). ``box`` is
+  the flax box the leaf came in, if any: an nnx Variable of another kind than ``Param``
+  (an RNG count, from ``nnx.state(model)`` whole) is named, with the params' filter.
   """
   if stepped and isinstance(leaf, jax.ShapeDtypeStruct):
     raise TypeError(
@@ -58,6 +60,11 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
         "statistics for)"
     )
   if not any_dtype and not jnp.issubdtype(leaf.dtype, jnp.inexact):
+    kind = placement.nnx_kind_other_than_param(box)
+    if kind:
+      exclude = (f"it is an nnx {kind}, not a Param: an optimizer takes the params alone, "
+                 "nnx.state(model, nnx.Param) (nnx.Optimizer(model, tx, wrt=nnx.Param) "
+                 "hands it those)")
     raise TypeError(
         f"{path_name(path)}: {what} dtype {leaf.dtype} is not floating or complex; "
         + exclude
@@ -178,7 +185,7 @@ def check_init_params(params: Any, *, any_dtype: bool = False, exclude: str = _E
   """Static checks of ``init``'s params (flax boxes unboxed), naming the parameter path."""
   jax.tree_util.tree_map_with_path(
       lambda path, param: check_param_leaf(path, placement.unbox(param), any_dtype=any_dtype,
-                                           exclude=exclude),
+                                           exclude=exclude, box=param),
       params, is_leaf=placement.is_box,
   )
 

@@ -86,6 +86,14 @@ def _is_nnx_variable(x: Any) -> bool:
   return hasattr(x, "get_metadata") and hasattr(x, "get_value") and hasattr(x, "replace")
 
 
+def nnx_kind_other_than_param(x: Any) -> str | None:
+  """The class name of an nnx Variable that is no ``Param`` (``RngCount``, ``BatchStat``),
+  else ``None``: what ``nnx.state(model)`` holds beside the params."""
+  if not _is_nnx_variable(x) or any(cls.__name__ == "Param" for cls in type(x).__mro__):
+    return None
+  return type(x).__name__
+
+
 def _is_linen_box(x: Any) -> bool:
   return hasattr(x, "unbox") and hasattr(x, "replace_boxed") and hasattr(x, "names")
 

@@ -108,7 +108,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
     def init_leaf(path, param):
       leaf = placement.leaf_placement(param)
       value = leaf.value
-      checks.check_param_leaf(path, value)
+      checks.check_param_leaf(path, value, box=leaf.box)
       moment = kernel.init_moment(leaf, planner(path, value.shape), hp.state_dtype, hp.eps)
       planned.append((path, value.shape))
       momentum = None
