@@ -607,3 +607,27 @@ def test_a_pair_with_a_first_item_of_three_is_the_plain_value_and_grad():
   with pytest.raises(ValueError, match=re.escape(
       "grads is the pair (value, grads) that jax.value_and_grad returns")):
     tx.update((values, params), tx.init(params), params)
+
+
+@pytest.mark.parametrize("leaf, found", [
+    (3, "an int (3)"), (True, "a bool (True)"), ("relu", "a str ('relu')"),
+    (object(), "an object (<object objec"),
+])
+def test_a_models_setting_or_function_among_the_params_is_named_as_such(leaf, found):
+  """A whole model given as the params (an Equinox module, a dict with its settings): the
+  advice to make such a leaf an array with jnp.asarray, right for a float, was wrong here."""
+  tx = osf.safefactor(0.1)
+  with pytest.raises(TypeError, match=re.escape(
+      f"params['act']: param is {found}") + r".*, not an array: the tree an optimizer is given "
+      r"holds the arrays to train alone, .*eqx.filter\(model, eqx.is_inexact_array\); NNX: "
+      r"nnx.state\(model, nnx.Param\)"):
+    tx.init({"w": jnp.ones((3,)), "act": leaf})
+
+
+@pytest.mark.parametrize("leaf", [1.0, 2j])
+def test_a_python_number_among_the_params_is_told_to_become_an_array(leaf):
+  tx = osf.safefactor(0.1)
+  with pytest.raises(TypeError, match=re.escape(
+      f"params['scale']: param is a {type(leaf).__name__} ({leaf!r}), not an array; make it "
+      "one with jnp.asarray (a Python number has no dtype or shape to keep statistics for)")):
+    tx.init({"w": jnp.ones((3,)), "scale": leaf})

@@ -54,11 +54,18 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
         "update steps arrays. For the shapes and dtypes of its results, trace it with "
         "jax.eval_shape(optimizer.update, grads, opt_state, params)")
   if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+    kind = type(leaf).__name__
+    found = f"{path_name(path)}: {what} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+    if isinstance(leaf, (float, complex)):
+      raise TypeError(
+          f"{found} ({leaf!r}), not an array; make it one with jnp.asarray (a Python number "
+          "has no dtype or shape to keep statistics for)")
+    # An int, a bool, a string, a function: a model's setting or part, not a param.
     raise TypeError(
-        f"{path_name(path)}: {what} is a {type(leaf).__name__} ({leaf!r}), not an array; "
-        "make it one with jnp.asarray (a Python number has no dtype or shape to keep "
-        "statistics for)"
-    )
+        f"{found} ({reprlib.repr(leaf)}), not an array: the tree an optimizer is given holds "
+        "the arrays to train alone, so leave a model's settings and functions out (Equinox: "
+        "eqx.filter(model, eqx.is_inexact_array); NNX: nnx.state(model, nnx.Param)); a "
+        "number to train goes in as a float array, jnp.asarray(3.0)")
   if not any_dtype and not jnp.issubdtype(leaf.dtype, jnp.inexact):
     kind = placement.nnx_kind_other_than_param(box)
     if kind:
