@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import argument_names, placement, tree_mismatch
+from optax_safefactor._src import argument_names, placement, state_checks, tree_mismatch
 from optax_safefactor._src.tree_mismatch import path_name
 from optax_safefactor._src.write_back import is_narrow
 
@@ -55,7 +55,7 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
         "jax.eval_shape(optimizer.update, grads, opt_state, params)")
   if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
     kind = type(leaf).__name__
-    found = f"{path_name(path)}: {what} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+    found = f"{path_name(path)}: {what} is {state_checks.with_article(kind)}"
     if isinstance(leaf, (float, complex)):
       raise TypeError(
           f"{found} ({leaf!r}), not an array; make it one with jnp.asarray (a Python number "
@@ -311,7 +311,7 @@ def check_transformation(inner: Any, wrapper: str, name: str = "inner") -> None:
     raise TypeError(f"{expected}, got {holding}: the params, or an optimizer's state, in "
                     f"{name}'s place?")
   kind = type(inner).__name__
-  raise TypeError(f"{expected}, got {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
+  raise TypeError(f"{expected}, got {state_checks.with_article(kind)} "
                   f"({reprlib.repr(inner)})")
 
 

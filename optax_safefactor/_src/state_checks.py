@@ -37,10 +37,10 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
     if inner is not None and not isinstance(state.inner_state, inner):
       # A guard's state around another transformation's (skip_nonfinite(optax.adam)).
       raise TypeError(
-          f"update expected {_a(expected.__name__)} around {_a(inner.__name__)} from this "
-          f"optimizer's init, got one around {_a(type(state.inner_state).__name__)}: the "
-          "state of a guard around another transformation; make the state with this "
-          "optimizer's init")
+          f"update expected {with_article(expected.__name__)} around "
+          f"{with_article(inner.__name__)} from this optimizer's init, got one around "
+          f"{with_article(type(state.inner_state).__name__)}: the state of a guard around "
+          "another transformation; make the state with this optimizer's init")
     return
   if isinstance(grads, expected):
     raise TypeError(
@@ -68,8 +68,8 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
   elif _holds_optax_factored_state(state):
     hint = ("; it looks like an optax.adafactor state: convert it with "
             "osf.migrate_from_optax(optax_state, optimizer, params)")
-  raise TypeError(f"update expected {_a(expected.__name__)} from this optimizer's init, "
-                  f"got {_a(kind)}{hint}")
+  raise TypeError(f"update expected {with_article(expected.__name__)} from this optimizer's "
+                  f"init, got {with_article(kind)}{hint}")
 
 
 # This package's states, by type name, with what makes each: the likely cause when one
@@ -85,7 +85,7 @@ _MADE_BY = {
 }
 
 
-def _a(noun: str) -> str:
+def with_article(noun: str) -> str:
   """``noun`` with its indefinite article: an AdafactorState, a SkipNonfiniteState."""
   return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
