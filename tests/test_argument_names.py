@@ -59,6 +59,14 @@ def _python_says(factory, name):
     ("skip_nonfinite", "max_consecutive_errors", "max_consecutive"),
     ("safefactor", "max_consecutive_errors", "max_consecutive_skips"),
     ("accumulate_gradients", "every_k_schedule", "every_k"),
+    ("safefactor", "mu_dtype", "dtype_momentum"),
+    ("safefactor", "kahan_sum", "param_rounding='kahan'"),
+    ("safefactor", "bf16_stochastic_round", "param_rounding='stochastic'"),
+    ("safefactor", "stochastic_rounding", "param_rounding='stochastic'"),
+    ("safefactor", "write_back", "param_rounding"),
+    ("with_param_rounding", "kahan_sum", "mode='kahan'"),
+    ("with_param_rounding", "bf16_stochastic_round", "mode='stochastic'"),
+    ("with_param_rounding", "write_back", "mode"),
 ])
 def test_another_adafactors_name_is_answered_with_the_one_taken_here(factory, name, meant):
   message = _refusal(factory, **{name: 1})
@@ -76,6 +84,16 @@ def test_another_adafactors_name_is_answered_with_the_one_taken_here(factory, na
     ("global_norm_clip_threshold", "optax.clip_by_global_norm"),
     ("weight_decay_rate_lr_exponent", "osf.presets.t5x"),
     ("params", "init(params)"),
+    ("betas", "its beta1 is momentum here"),
+    ("max_grad_norm", "chain optax.clip_by_global_norm(max_norm) before this optimizer"),
+    ("grad_clip", "optax.clip_by_global_norm"),
+    ("clip_grad_norm", "optax.clip_by_global_norm"),
+    ("gradient_clipping", "optax.clip_by_global_norm"),
+    ("gradient_accumulation_steps", "osf.accumulate_gradients(optimizer, every_k=steps)"),
+    ("accumulation_steps", "osf.accumulate_gradients"),
+    ("grad_accum_steps", "osf.accumulate_gradients"),
+    ("warmup_steps", "learning_rate=optax.warmup_cosine_decay_schedule("),
+    ("num_warmup_steps", "optax.linear_schedule(0.0, peak, warmup_steps)"),
 ])
 def test_an_argument_with_no_one_name_here_says_what_to_do(name, advice):
   message = _refusal("safefactor", **{name: 1})
@@ -96,6 +114,54 @@ def test_an_argument_with_no_one_name_here_says_what_to_do(name, advice):
 ])
 def test_a_typo_is_answered_with_the_nearest_argument(factory, typo, meant):
   assert _refusal(factory, **{typo: 1}) == f"{_python_says(factory, typo)}; did you mean {meant}?"
+
+
+@pytest.mark.parametrize("factory,name,meant", [
+    ("safefactor", "rounding_mode", "param_rounding"),
+    ("safefactor", "rounding", "param_rounding"),
+    ("safefactor", "seed", "rounding_seed"),
+    ("with_param_rounding", "rounding_mode", "mode"),
+])
+def test_a_name_spelled_near_another_setting_is_answered_with_the_one_it_means(factory, name,
+                                                                             meant):
+  """difflib answered rounding_mode="stochastic" with rounding_seed, which then refused the
+  string: the write-back's names go to the setting they mean."""
+  assert _refusal(factory, **{name: 1}) == f"{_python_says(factory, name)}: here it is {meant}"
+
+
+def test_advice_naming_an_argument_is_said_only_where_it_is_taken():
+  """scale_by_safe_factored_rms has no momentum and no learning rate to point Adam's betas
+  and a warm-up at; a global-norm clip chains before it as before any optimizer."""
+  for name in ("betas", "warmup_steps", "num_warmup_steps"):
+    assert (_refusal("scale_by_safe_factored_rms", **{name: 1})
+            == _python_says("scale_by_safe_factored_rms", name))
+  assert "optax.clip_by_global_norm" in _refusal("scale_by_safe_factored_rms", max_grad_norm=1)
+  assert "here it is param_rounding='kahan' (" in _refusal_of(
+      lambda: osf.presets.torch(kahan_sum=True))
+  assert "optax.clip_by_global_norm" in _refusal_of(
+      lambda: osf.presets.transformers(max_grad_norm=1.0))
+
+
+def _refusal_of(build):
+  with pytest.raises(TypeError) as raised:
+    build()
+  return str(raised.value)
+
+
+@pytest.mark.parametrize("factory", sorted(set(FACTORIES) - {"with_param_rounding"}))
+def test_an_arguments_words_in_another_order_are_answered_with_it(factory):
+  """momentum_dtype for dtype_momentum is beyond difflib's reach (a third of the letters
+  move); every argument of two or more words, its words reversed, is suggested back."""
+  function = WRAPPED.get(factory, FACTORIES[factory])
+  arguments = inspect.signature(function).parameters
+  asked = 0
+  for argument in arguments:
+    reversed_name = "_".join(reversed(argument.split("_")))
+    if reversed_name == argument or reversed_name in arguments:
+      continue
+    assert _refusal(factory, **{reversed_name: 1}).endswith(f"; did you mean {argument}?")
+    asked += 1
+  assert asked >= 1
 
 
 def test_a_name_near_nothing_gets_pythons_message_alone():

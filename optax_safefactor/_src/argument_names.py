@@ -2,9 +2,10 @@
 
 Most users come to ``safefactor`` from another Adafactor and write that one's names:
 ``lr`` and ``beta1`` (transformers), ``beta2_decay`` (PyTorch), ``step_offset`` (optax's
-``scale_by_factored_rms``), ``epsilon1`` (T5X). Python's own error names the argument and
-stops there; these messages say what it is called here, or which preset takes it, and
-suggest the nearest name for a typo.
+``scale_by_factored_rms``), ``epsilon1`` (T5X), ``kahan_sum`` (optimi), or a training loop's
+``max_grad_norm``. Python's own error names the argument and stops there; these messages say
+what it is called here, or which preset or wrapper takes it, and suggest the nearest name
+for a typo (or the same words in another order).
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ _NAMES_ELSEWHERE: dict[str, tuple[tuple[str, ...], str]] = {
                                "optax.apply_if_finite's name"),
     "every_k_schedule": (("every_k",), "optax.MultiSteps' name"),
     "mask": (("weight_decay_mask",), "optax.add_decayed_weights' name"),
+    "mu_dtype": (("dtype_momentum",), "optax.adam's name"),
+    # The write-back's switches elsewhere: a meaning with a value names the setting it
+    # takes (the part before "=") and the value that does what the switch turns on.
+    "kahan_sum": (("param_rounding='kahan'", "mode='kahan'"), "optimi's switch for it"),
+    "bf16_stochastic_round": (("param_rounding='stochastic'", "mode='stochastic'"),
+                              "torchao's switch for it"),
+    "stochastic_rounding": (("param_rounding='stochastic'", "mode='stochastic'"),
+                            "the switch for it in several PyTorch optimizers"),
+    "write_back": (("param_rounding", "mode"), "the guides' word for its modes"),
+    # Nearer, letter for letter, to rounding_seed than to the setting they mean.
+    "rounding": (("param_rounding", "mode"), ""),
+    "rounding_mode": (("param_rounding", "mode"), ""),
+    "seed": (("rounding_seed",), ""),
 }
 
 # Where the params go, said both to params=... and to params given for a setting.
@@ -68,9 +82,31 @@ _NOT_ARGUMENTS_HERE = {
     "global_norm_clip_threshold": "T5X's: chain optax.clip_by_global_norm(threshold) before "
                                   "this optimizer",
     "weight_decay_rate_lr_exponent": "T5X's: osf.presets.t5x takes it",
+    "betas": "Adam's pair: its beta1 is momentum here, and Adafactor's beta2 follows the "
+             "schedule 1 - (t + 1) ** -decay_rate: set decay_rate, or bound it with beta2_cap",
     "params": _PARAMS_GO_TO_INIT,
 }
 _NOT_ARGUMENTS_HERE["b2"] = _NOT_ARGUMENTS_HERE["beta2"]
+# A training loop's settings, which a chain or a schedule takes here.
+_GLOBAL_NORM = ("chain optax.clip_by_global_norm(max_norm) before this optimizer to clip the "
+                "gradients' global norm (which is not Adafactor's clipping of each update's "
+                "RMS)")
+_ACCUMULATION = ("accumulation wraps the optimizer: osf.accumulate_gradients(optimizer, "
+                 "every_k=steps)")
+_WARMUP = ("a warm-up is a learning-rate schedule: "
+           "learning_rate=optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps, "
+           "decay_steps) or optax.linear_schedule(0.0, peak, warmup_steps)")
+_NOT_ARGUMENTS_HERE.update({
+    **dict.fromkeys(("max_grad_norm", "grad_clip", "clip_grad_norm", "gradient_clipping"),
+                    _GLOBAL_NORM),
+    **dict.fromkeys(("gradient_accumulation_steps", "accumulation_steps", "grad_accum_steps"),
+                    _ACCUMULATION),
+    **dict.fromkeys(("warmup_steps", "num_warmup_steps"), _WARMUP),
+})
+# Advice that names an argument is said only to the functions that take it
+# (scale_by_safe_factored_rms has no momentum and no learning rate).
+_ADVICE_NAMES = {"betas": "momentum", "warmup_steps": "learning_rate",
+                 "num_warmup_steps": "learning_rate"}
 
 
 def unknown_argument(function: str, name: str, arguments: Iterable[str]) -> str:
@@ -85,12 +121,16 @@ PyTorch's and transformers' name)"
   arguments = tuple(arguments)
   message = f"{function}() got an unexpected keyword argument {name!r}"
   meanings, whose = _NAMES_ELSEWHERE.get(name, ((), ""))
-  meant = [meaning for meaning in meanings if meaning in arguments]
+  meant = [meaning for meaning in meanings if meaning.partition("=")[0] in arguments]
   if meant:
-    return f"{message}: here it is {meant[0]} ({name} is {whose})"
-  if name in _NOT_ARGUMENTS_HERE and "decay_rate" in arguments:
+    return f"{message}: here it is {meant[0]}" + (f" ({name} is {whose})" if whose else "")
+  if (name in _NOT_ARGUMENTS_HERE and "decay_rate" in arguments
+      and _ADVICE_NAMES.get(name, "decay_rate") in arguments):
     return f"{message}: {_NOT_ARGUMENTS_HERE[name]}"
-  near = difflib.get_close_matches(name, arguments, n=1, cutoff=0.75)
+  # The same words in another order (momentum_dtype) are further than difflib reaches.
+  words = sorted(name.split("_"))
+  reordered = [argument for argument in arguments if sorted(argument.split("_")) == words]
+  near = reordered or difflib.get_close_matches(name, arguments, n=1, cutoff=0.75)
   return f"{message}; did you mean {near[0]}?" if near else message
 
 
