@@ -201,6 +201,50 @@ def test_the_whole_nnx_state_given_to_init_names_the_params_filter(make):
     make().init({"step": nnx.Param(jnp.zeros((), jnp.int32))})
 
 
+class _WithBatchNorm(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(8, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.linear(x))
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_batch_statistics_given_as_params_are_refused_at_init(name):
+  # Float batch statistics passed every check: tx.init(nnx.state(model)) and
+  # nnx.Optimizer(model, tx, wrt=nnx.Variable) built, and the first update listed them as
+  # missing from the grads (had the grads held them, weight decay would have shrunk them).
+  model = _WithBatchNorm(nnx.Rngs(0))
+  refusal = (r"params\['norm'\]\['mean'\]: param is an nnx BatchStat, the model's state, "
+             r"not a Param: an optimizer takes the params alone, nnx.state\(model, nnx.Param\) "
+             r"\(nnx.Optimizer\(model, tx, wrt=nnx.Param\) hands it those\)")
+  with pytest.raises(TypeError, match=refusal):
+    TRANSFORMATIONS[name].build().init(nnx.state(model))
+  with pytest.raises(TypeError, match=refusal):
+    nnx.Optimizer(model, TRANSFORMATIONS[name].build(), wrt=nnx.Variable)
+  optimizer = nnx.Optimizer(model, TRANSFORMATIONS[name].build(), wrt=nnx.Param)
+  model.train()
+  optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(jnp.ones((4, 8))) ** 2))(model))
+
+
+def test_a_models_other_state_is_refused_and_a_variable_kind_of_ones_own_is_taken():
+  class Trainable(nnx.Variable):  # a kind of the user's own, trained with wrt=Trainable
+    pass
+
+  tx = osf.safefactor(1e-2)
+  for variable, kind in ((nnx.Cache(jnp.ones(3)), "Cache"),
+                         (nnx.Intermediate(jnp.ones(3)), "Intermediate"),
+                         (nnx.BatchStat(jnp.ones((2, 3), jnp.bfloat16)), "BatchStat")):
+    with pytest.raises(TypeError, match=rf"params\['x'\]: param is an nnx {kind}, "):
+      tx.init({"x": variable})
+  tx.init({"x": Trainable(jnp.ones(3)), "lora": nnx.LoRAParam(jnp.ones(3))})
+  # The RNG counts keep their message, which their dtype gives first.
+  with pytest.raises(TypeError, match=r"param dtype uint32 is not floating or complex; it is "
+                                      r"an nnx RngCount"):
+    tx.init({"x": nnx.RngCount(jnp.zeros((), jnp.uint32))})
+
+
 def test_an_nnx_optimizers_optax_state_migrates_into_its_opt_state():
   # The converted state came out in the params' boxes, not the optimizer's: assigned to
   # optimizer.opt_state, the next update failed inside flax ("Cannot set key

@@ -33,6 +33,8 @@ def check_same_structure(tree: Any, reference: Any, reference_name: str, *,
 
 
 _EXCLUDE = "exclude it with optax.masked or optax.multi_transform"
+_PARAMS_ALONE = ("an optimizer takes the params alone, nnx.state(model, nnx.Param) "
+                 "(nnx.Optimizer(model, tx, wrt=nnx.Param) hands it those)")
 
 
 def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
@@ -45,8 +47,9 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
   and only need arrays. ``exclude`` says how to leave an integer leaf out. A leaf
   ``stepped`` by ``update`` must have values: a ``jax.ShapeDtypeStruct`` has the shape
   and dtype of an array and none (``init`` needs only those, and takes one). ``box`` is
-  the flax box the leaf came in, if any: an nnx Variable of another kind than ``Param``
-  (an RNG count, from ``nnx.state(model)`` whole) is named, with the params' filter.
+  the flax box the leaf came in, if any: an nnx Variable that holds the model's state (its
+  batch statistics or RNG counts, from ``nnx.state(model)`` whole) is refused, with the
+  params' filter named.
   """
   if stepped and isinstance(leaf, jax.ShapeDtypeStruct):
     raise TypeError(
@@ -69,13 +72,17 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
   if not any_dtype and not jnp.issubdtype(leaf.dtype, jnp.inexact):
     kind = placement.nnx_kind_other_than_param(box)
     if kind:
-      exclude = (f"it is an nnx {kind}, not a Param: an optimizer takes the params alone, "
-                 "nnx.state(model, nnx.Param) (nnx.Optimizer(model, tx, wrt=nnx.Param) "
-                 "hands it those)")
+      exclude = f"it is an nnx {kind}, not a Param: {_PARAMS_ALONE}"
     raise TypeError(
         f"{path_name(path)}: {what} dtype {leaf.dtype} is not floating or complex; "
         + exclude
     )
+  if box is not None and placement.nnx_state_kind(box):
+    # Float batch statistics pass every other check, and the first update then finds no
+    # gradient for them (or, with wrt=nnx.Variable, weight decay shrinks them).
+    raise TypeError(
+        f"{path_name(path)}: {what} is an nnx {placement.nnx_state_kind(box)}, the model's "
+        f"state, not a Param: {_PARAMS_ALONE}")
 
 
 def check_state_dtype(path: KeyPath, what: str, found: Any, expected: Any, setting: str) -> None:

@@ -94,6 +94,20 @@ def nnx_kind_other_than_param(x: Any) -> str | None:
   return type(x).__name__
 
 
+# flax's Variables that hold a model's state, never a param to train: running statistics,
+# the random streams' keys and counts, a decoder's cache, sown values (and perturbations).
+_NNX_STATE_KINDS = frozenset({"BatchStat", "RngState", "Cache", "Intermediate"})
+
+
+def nnx_state_kind(x: Any) -> str | None:
+  """The class name of an nnx Variable that holds a model's state rather than a param
+  (``BatchStat``, ``RngCount``, ``RngKey``, ``Cache``, ``Intermediate``), else ``None``.
+  A Variable class of the user's own is taken as a param: ``wrt=`` may train it."""
+  if _is_nnx_variable(x) and any(cls.__name__ in _NNX_STATE_KINDS for cls in type(x).__mro__):
+    return type(x).__name__
+  return None
+
+
 def _is_linen_box(x: Any) -> bool:
   return hasattr(x, "unbox") and hasattr(x, "replace_boxed") and hasattr(x, "names")
 
