@@ -631,3 +631,16 @@ def test_a_python_number_among_the_params_is_told_to_become_an_array(leaf):
       f"params['scale']: param is a {type(leaf).__name__} ({leaf!r}), not an array; make it "
       "one with jnp.asarray (a Python number has no dtype or shape to keep statistics for)")):
     tx.init({"w": jnp.ones((3,)), "scale": leaf})
+
+
+@pytest.mark.parametrize("make", [lambda: osf.safefactor(0.1),
+                                  lambda: osf.accumulate_gradients(optax.sgd(0.1), 2)],
+                         ids=["safefactor", "accumulate_gradients"])
+def test_an_integer_array_from_an_is_array_filter_names_the_inexact_filter(make):
+  """Equinox's examples filter the params with eqx.is_array, which keeps an integer array
+  (a step count, indices); the advice named optax's masks alone."""
+  with pytest.raises(TypeError, match=re.escape(
+      "params['step']: param dtype int32 is not floating or complex; ") + r".*" + re.escape(
+      "or leave it out of the params (Equinox: eqx.filter(model, eqx.is_inexact_array), not "
+      "eqx.is_array, which keeps integer arrays)")):
+    make().init({"w": jnp.ones((3,)), "step": jnp.zeros((), jnp.int32)})

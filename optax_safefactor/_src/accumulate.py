@@ -175,7 +175,7 @@ def accumulate_gradients(
     checks.check_init_params(params, exclude=(
         "accumulate_gradients sums every leaf it is given, so leave it out around it: "
         "optax.masked(osf.accumulate_gradients(tx, every_k), mask), or "
-        "optax.multi_transform"))
+        f"optax.multi_transform, {checks.OR_LEAVE_OUT}"))
     return AccumulationState(
         inner_state=inner.init(params),
         accumulator=jax.tree.map(_accumulator_like, params, is_leaf=placement.is_box),

@@ -32,7 +32,11 @@ def check_same_structure(tree: Any, reference: Any, reference_name: str, *,
     raise tree_mismatch.mismatch_error(tree, reference, reference_name, name=name, hint=hint)
 
 
-_EXCLUDE = "exclude it with optax.masked or optax.multi_transform"
+# Equinox's examples init with eqx.filter(model, eqx.is_array), which keeps integer arrays
+# (optax's own transformations then fail at the first update, at the gradient's None).
+OR_LEAVE_OUT = ("or leave it out of the params (Equinox: eqx.filter(model, "
+                "eqx.is_inexact_array), not eqx.is_array, which keeps integer arrays)")
+_EXCLUDE = f"exclude it with optax.masked or optax.multi_transform, {OR_LEAVE_OUT}"
 _PARAMS_ALONE = ("an optimizer takes the params alone, nnx.state(model, nnx.Param) "
                  "(nnx.Optimizer(model, tx, wrt=nnx.Param) hands it those)")
 
