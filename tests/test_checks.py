@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_safefactor as osf
-from optax_safefactor._src import kernel
+from optax_safefactor._src import checks, kernel
 from tests.helpers import TRANSFORMATIONS, run_steps
 
 
@@ -644,3 +644,16 @@ def test_an_integer_array_from_an_is_array_filter_names_the_inexact_filter(make)
       "or leave it out of the params (Equinox: eqx.filter(model, eqx.is_inexact_array), not "
       "eqx.is_array, which keeps integer arrays)")):
     make().init({"w": jnp.ones((3,)), "step": jnp.zeros((), jnp.int32)})
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "3"])
+def test_a_count_that_may_be_none_is_still_refused_when_it_is_no_positive_int(value):
+  """none_ok lets None through, and nothing else: max_consecutive_skips=0 is no setting."""
+  checks.check_positive_int(None, "max_consecutive_skips", none_ok=True)
+  checks.check_positive_int(3, "max_consecutive_skips", none_ok=True)
+  with pytest.raises(ValueError, match=re.escape(
+      f"max_consecutive_skips must be a positive int or None, got {value!r}")):
+    checks.check_positive_int(value, "max_consecutive_skips", none_ok=True)
+  with pytest.raises(ValueError, match=re.escape(
+      f"max_consecutive_skips must be a positive int or None, got {value!r}")):
+    osf.safefactor(0.1, max_consecutive_skips=value)
