@@ -1,9 +1,13 @@
 """orbax-checkpoint: resume bit-identically; restore onto another mesh from abstract targets."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -122,3 +126,27 @@ def test_restore_onto_another_mesh(tmp_path):
     continued = _steps(tx, params, state, 3, 6, place=on(save_mesh))
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(continued), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_a_state_restored_without_a_target_is_named_as_such_by_the_reports(tmp_path):
+  # orbax's restore without a target gives the guard's counts as plain dicts: the reports
+  # asked whether the optimizer was built with skip_nonfinite at all.
+  for tx in (_tx(), optax.inject_hyperparams(osf.safefactor)(learning_rate=0.05),
+             osf.accumulate_gradients(osf.safefactor(0.05), 2),
+             optax.chain(optax.clip_by_global_norm(1.0), osf.safefactor(0.05))):  # a list
+    _, state = _trained(tx, 1)
+    raw = _saved(tmp_path / str(id(tx)), state).restore(tmp_path / str(id(tx)))
+    for report in (osf.skipped_steps, osf.nonfinite_summary, osf.nonfinite_report):
+      with pytest.raises(ValueError, match=re.escape(
+          "no skip_nonfinite state found in opt_state: it holds a guard's counts (skipped_steps, "
+          "consecutive_skips, step, nonfinite_steps, last_nonfinite_step) as a dict's items, as "
+          "a checkpoint restored without a target does (it keeps the arrays, not their "
+          "types); restore with the state of optimizer.init(params) (or "
+          "jax.eval_shape(optimizer.init, params)) as the target")):
+        report(raw)
+  # A state with no guard keeps the question, restored or not.
+  tx = osf.safefactor(0.05, skip_nonfinite_steps=False)
+  _, state = _trained(tx, 1)
+  raw = _saved(tmp_path / "unguarded", state).restore(tmp_path / "unguarded")
+  with pytest.raises(ValueError, match="was the optimizer built with skip_nonfinite"):
+    osf.skipped_steps(raw)

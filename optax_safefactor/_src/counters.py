@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import array_dataclasses, checks
+from optax_safefactor._src import array_dataclasses, checks, state_checks
 from optax_safefactor._src.placement import is_box, unbox
 from optax_safefactor._src.spikes import init_history
 from optax_safefactor._src.trees import find_all_with_paths
@@ -321,6 +321,11 @@ def find_counters_with_paths(opt_state: Any) -> list[tuple[tuple[Any, ...], Any]
         "and optimizer pair, as saved or restored), which keeps the optimizer state's arrays "
         "but not its types, so no guard can be found in it: pass optimizer.opt_state (or "
         "the nnx.Optimizer), after nnx.update or nnx.merge of a restored state")
+  if not found and _holds_counts_as_dicts(opt_state):
+    raise ValueError(
+        "no skip_nonfinite state found in opt_state: it holds a guard's counts "
+        f"({', '.join(COUNTER_FIELDS)}) as a dict's items, as a checkpoint restored without a "
+        f"target does (it keeps the arrays, not their types); {state_checks.RESTORE}")
   if not found:
     # optax's own guard is the usual one to find instead: say where its counts are.
     theirs = find_all_with_paths(opt_state, optax.ApplyIfFiniteState)
@@ -338,3 +343,14 @@ def find_counters_with_paths(opt_state: Any) -> list[tuple[tuple[Any, ...], Any]
         "target): it holds shapes, not counts; pass the state a step returned or the one "
         "restored into it")
   return found
+
+
+def _holds_counts_as_dicts(tree: Any) -> bool:
+  """Whether a dict in ``tree`` has every field of the counters: a guard's state restored
+  as plain containers (orbax's ``restore`` without a target)."""
+  if isinstance(tree, dict):
+    return (set(COUNTER_FIELDS) <= set(tree)
+            or any(_holds_counts_as_dicts(value) for value in tree.values()))
+  if isinstance(tree, (list, tuple)):
+    return any(_holds_counts_as_dicts(value) for value in tree)
+  return False

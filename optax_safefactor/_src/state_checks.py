@@ -14,6 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+#: What to do with a checkpoint restored without a target (its states are plain dicts).
+RESTORE = ("restore with the state of optimizer.init(params) (or "
+           "jax.eval_shape(optimizer.init, params)) as the target")
+
 
 def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None = None,
                      *, inner: type | None = None) -> None:
@@ -53,9 +57,7 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
     hint = ("; it has the structure of the gradients: are the arguments swapped? call "
             "update(grads, opt_state, params)")
   elif isinstance(state, (list, dict)):
-    hint = ("; a checkpoint restored without a target gives plain lists and dicts: "
-            "restore with the state of optimizer.init(params) (or "
-            "jax.eval_shape(optimizer.init, params)) as the target")
+    hint = f"; a checkpoint restored without a target gives plain lists and dicts: {RESTORE}"
   elif kind in _MADE_BY and wrapper is None:
     hint = (f"; {_MADE_BY[kind]}: the state was made by an optimizer of another "
             "configuration. Make the state with this optimizer's init, or build this "
