@@ -657,3 +657,26 @@ def test_a_count_that_may_be_none_is_still_refused_when_it_is_no_positive_int(va
   with pytest.raises(ValueError, match=re.escape(
       f"max_consecutive_skips must be a positive int or None, got {value!r}")):
     osf.safefactor(0.1, max_consecutive_skips=value)
+
+
+def test_an_equinox_models_integer_array_is_told_the_filter_that_leaves_it_out():
+  eqx = pytest.importorskip("equinox")  # the test extra's; not at the core's floors
+
+  class WithCount(eqx.Module):
+    linear: eqx.nn.Linear
+    count: jax.Array
+
+  model = WithCount(eqx.nn.Linear(3, 4, key=jax.random.key(0)), jnp.zeros((), jnp.int32))
+  tx = osf.safefactor(0.1)
+  with pytest.raises(TypeError, match=re.escape(
+      "params.count: param dtype int32 is not floating or complex; exclude it with "
+      "optax.masked or optax.multi_transform, or leave it out of the params (Equinox: "
+      "eqx.filter(model, eqx.is_inexact_array)")):
+    tx.init(eqx.filter(model, eqx.is_array))
+  # The advice works: the count stays out, and filter_grad's None for it is no leaf.
+  params = eqx.filter(model, eqx.is_inexact_array)
+  grads = eqx.filter_grad(lambda m: jnp.sum(m.linear(jnp.ones(3)) ** 2))(model)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  stepped = eqx.apply_updates(model, updates)
+  assert int(stepped.count) == 0
+  assert not np.array_equal(stepped.linear.weight, model.linear.weight)
