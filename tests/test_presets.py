@@ -508,8 +508,12 @@ def test_overrides_reach_safefactor():
 
 
 def test_own_argument_errors():
-  with pytest.raises(ValueError, match="Cannot combine manual `lr`"):
+  with pytest.raises(ValueError, match=re.escape(
+      "Cannot combine manual `lr` and `relative_step=True` options: pass relative_step=False "
+      "to train at lr (relative_step is True by default, as in transformers), or lr=None for "
+      "the relative step size")):
     osf.presets.transformers(lr=1e-3)
+  osf.presets.transformers(lr=1e-3, relative_step=False)  # what the message says works
   with pytest.raises(ValueError, match="requires `relative_step=True`"):
     osf.presets.transformers(lr=1e-3, relative_step=False, warmup_init=True)
   with pytest.raises(ValueError, match="no learning rate"):

@@ -175,7 +175,10 @@ def transformers(
     user_warnings.warn(f"presets.transformers(): eps[1]={eps2!r} has no effect: scale_parameter is "
                        "False")
   if lr is not None and relative_step:
-    raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
+    # transformers' words, then what to pass: relative_step defaults to True there.
+    raise ValueError("Cannot combine manual `lr` and `relative_step=True` options: pass "
+                     "relative_step=False to train at lr (relative_step is True by default, "
+                     "as in transformers), or lr=None for the relative step size")
   if warmup_init and not relative_step:
     raise ValueError("`warmup_init=True` requires `relative_step=True`")
   if lr is None and not relative_step:
