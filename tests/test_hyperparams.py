@@ -500,3 +500,18 @@ def test_schedules_and_functions_the_step_can_call_are_taken():
              osf.presets.big_vision(optax.linear_schedule(1e-2, 0.0, 100))):
     updates, _ = tx.update(params, tx.init(params), params)
     assert bool(jnp.all(jnp.isfinite(updates["w"])))
+
+
+@pytest.mark.parametrize("name", ["dtype_momentum", "state_dtype"])
+@pytest.mark.parametrize("short, meant", [("bf16", "bfloat16"), ("BF16", "bfloat16"),
+                                          ("fp16", "float16"), ("f32", "float32"),
+                                          ("fp64", "float64")])
+def test_a_mixed_precision_flags_short_name_is_answered_with_the_dtypes_own(name, short,
+                                                                           meant):
+  # accelerate's "bf16" and "fp16" are no NumPy dtype names: the refusal listed examples and
+  # left the mapping to the reader.
+  with pytest.raises(TypeError, match=re.escape(f"got {short!r}; did you mean {meant!r}?")):
+    osf.safefactor(0.1, momentum=0.9, **{name: short})
+  # A name NumPy does not know and no flag uses keeps the plain refusal.
+  with pytest.raises(TypeError, match=r"got 'bfloat'$"):
+    osf.safefactor(0.1, momentum=0.9, **{name: "bfloat"})

@@ -209,6 +209,12 @@ def scheduled_value(name: str, value: Any) -> Any:
   return value
 
 
+# Mixed-precision flags' short names (accelerate's "bf16" and "fp16"): NumPy knows
+# none of them, so each is answered with the dtype's own name.
+_SHORT_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16",
+                      "fp32": "float32", "f32": "float32", "fp64": "float64", "f64": "float64"}
+
+
 def _check_float_dtype(name: str, value: Any, *, complex_ok: bool = False) -> None:
   """``value`` names a real floating dtype (or, if ``complex_ok``, a complex one), or is
   ``None``; else a TypeError naming ``name``."""
@@ -225,9 +231,10 @@ def _check_float_dtype(name: str, value: Any, *, complex_ok: bool = False) -> No
   kind = jnp.inexact if complex_ok else jnp.floating
   if dtype is None or not jnp.issubdtype(dtype, kind):
     also = ", 'complex64'" if complex_ok else ""
+    short = _SHORT_DTYPE_NAMES.get(value.lower()) if isinstance(value, str) else None
     raise TypeError(
         f"{name} must be a floating dtype such as 'float32', 'bfloat16'{also} or jnp.float16 "
-        f"(or None), got {value!r}"
+        f"(or None), got {value!r}" + (f"; did you mean {short!r}?" if short else "")
     )
 
 
