@@ -81,12 +81,11 @@ def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
         f"{path_name(path)}: {what} dtype {leaf.dtype} is not floating or complex; "
         + exclude
     )
-  if box is not None and placement.nnx_state_kind(box):
+  if box is not None and (state_kind := placement.nnx_state_kind(box)):
     # Float batch statistics pass every other check, and the first update then finds no
     # gradient for them (or, with wrt=nnx.Variable, weight decay shrinks them).
-    raise TypeError(
-        f"{path_name(path)}: {what} is an nnx {placement.nnx_state_kind(box)}, the model's "
-        f"state, not a Param: {_PARAMS_ALONE}")
+    raise TypeError(f"{path_name(path)}: {what} is an nnx {state_kind}, the model's state, "
+                    f"not a Param: {_PARAMS_ALONE}")
 
 
 def check_state_dtype(path: KeyPath, what: str, found: Any, expected: Any, setting: str) -> None:
