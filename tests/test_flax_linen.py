@@ -1,6 +1,8 @@
 """Flax Linen: logical partitioning, eval_shape to jit(init); a TrainState of boxed params
 trained as it is (unboxed params: test_ecosystems.py)."""
 
+import re
+
 import chex
 import flax.linen as nn
 import jax
@@ -241,3 +243,63 @@ def test_a_msgpack_checkpoint_of_other_params_is_refused_naming_the_counts():
       r"restore's target has \(1,\) \(one count per param leaf of its params: "
       r"params\['kernel'\]\)")):
     serialization.from_bytes(create(nn.Dense(4, use_bias=False)), saved)
+
+
+class _Normalised(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=True):
+    x = nn.BatchNorm(use_running_average=not train)(nn.Dense(4)(x))
+    return nn.Dense(1)(x)
+
+
+@pytest.mark.parametrize("name", TRANSFORMATIONS)
+def test_a_linen_models_whole_variables_are_refused_at_init(name):
+  # TrainState.create(params=variables) was taken: the batch statistics are floats, and
+  # they were trained as params (shrunk by weight decay; in eval mode moved by their
+  # gradients), or the first update of the params' grads found none for them.
+  model = _Normalised()
+  variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+  with pytest.raises(TypeError, match=re.escape(
+      "params['batch_stats'] is linen's batch_stats collection, the model's state, not "
+      "params: an optimizer takes variables['params'] alone (TrainState.create("
+      "params=variables['params'], ...), with the batch_stats in a field of their own)")):
+    train_state.TrainState.create(apply_fn=model.apply, params=variables,
+                                  tx=TRANSFORMATIONS[name].build())
+  # The params alone train.
+  state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                        tx=TRANSFORMATIONS[name].build())
+  state = state.apply_gradients(grads=jax.tree.map(jnp.ones_like, state.params))
+  assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("collection", ["batch_stats", "cache", "intermediates",
+                                        "perturbations"])
+def test_each_linen_state_collection_is_refused_and_a_params_key_alone_is_taken(collection):
+  params = {"dense": {"kernel": jnp.ones((3, 2))}}
+  tx = osf.presets.t5x(1e-3)
+  with pytest.raises(TypeError, match=re.escape(f"params[{collection!r}] is linen's")):
+    tx.init({"params": params, collection: {"x": jnp.zeros(2)}})
+  # A tree whose "params" key is its only one, whose other keys are no collection of
+  # linen's, or which has no "params" key, is a user's own grouping: taken.
+  for tree in ({"params": params}, {"params": params, "encoder": params},
+               {"encoder": params, collection: params}):
+    updates, _ = tx.update(tree, tx.init(tree), tree)
+    assert jax.tree.structure(updates) == jax.tree.structure(tree)
+
+
+def test_a_linen_collection_left_out_by_multi_transform_is_taken():
+  # optax.multi_transform hands each transformation the whole variables with the leaves
+  # of the others' labels masked out: the batch statistics arrive holding no array.
+  model = _Normalised()
+  variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+  labels = {"params": "train", "batch_stats": "frozen"}
+  labels = {key: jax.tree.map(lambda _, label=label: label, variables[key])
+            for key, label in labels.items()}
+  tx = optax.multi_transform({"train": osf.safefactor(1e-2, weight_decay_rate=0.1),
+                              "frozen": optax.set_to_zero()}, labels)
+  state = tx.init(variables)
+  updates, _ = tx.update(jax.tree.map(jnp.ones_like, variables), state, variables)
+  trained = optax.apply_updates(variables, updates)
+  assert_trees_bitwise_equal(trained["batch_stats"], variables["batch_stats"])
+  assert not jnp.array_equal(trained["params"]["Dense_0"]["kernel"],
+                             variables["params"]["Dense_0"]["kernel"])

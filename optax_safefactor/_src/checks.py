@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import reprlib
 import sys
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -39,6 +40,35 @@ OR_LEAVE_OUT = ("or leave it out of the params (Equinox: eqx.filter(model, "
 _EXCLUDE = f"exclude it with optax.masked or optax.multi_transform, {OR_LEAVE_OUT}"
 _PARAMS_ALONE = ("an optimizer takes the params alone, nnx.state(model, nnx.Param) "
                  "(nnx.Optimizer(model, tx, wrt=nnx.Param) hands it those)")
+
+
+# The collections flax.linen's own modules keep beside "params" in a model's variables:
+# running statistics, a decoder's cache, sown values, perturbations.
+_LINEN_STATE_COLLECTIONS = ("batch_stats", "cache", "intermediates", "perturbations")
+
+
+def check_not_linen_variables(params: Any) -> None:
+  """A linen model's whole ``variables`` (``{"params": ..., "batch_stats": ...}``) is refused.
+
+  Its float statistics pass every check of a param: ``TrainState.create(params=variables)``
+  then trains them (with weight decay, shrinks them), or the first update finds no
+  gradient for them. A collection whose leaves ``optax.masked`` or
+  ``optax.multi_transform`` left out holds no array, and is taken.
+
+  >>> check_not_linen_variables({"params": {"w": jnp.ones(2)}})
+  >>> check_not_linen_variables({"params": {"w": jnp.ones(2)},
+  ...                            "batch_stats": {"mean": jnp.zeros(2)}})
+  Traceback (most recent call last):
+  TypeError: params['batch_stats'] is linen's batch_stats collection, the model's state, ...
+  """
+  if not isinstance(params, Mapping) or "params" not in params:
+    return
+  for collection in _LINEN_STATE_COLLECTIONS:
+    if collection in params and jax.tree.leaves(params[collection]):
+      raise TypeError(
+          f"params[{collection!r}] is linen's {collection} collection, the model's state, "
+          "not params: an optimizer takes variables['params'] alone (TrainState.create("
+          f"params=variables['params'], ...), with the {collection} in a field of their own)")
 
 
 def check_param_leaf(path: KeyPath, leaf: Any, what: str = "param", *,
