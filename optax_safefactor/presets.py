@@ -12,7 +12,8 @@ effect (T5X's ``epsilon2`` without the parameter scale, say) is dropped, as the 
 drops it, with a ``UserWarning``.
 
 Under ``optax.inject_hyperparams`` a preset's numbers become hyperparameters of the
-state, to change between steps without compiling again; its switches stay static:
+state, to change between steps without compiling again; its switches stay static, and so
+do the overrides (``inject_hyperparams`` hands them over gathered, as one argument):
 
 >>> import jax.numpy as jnp, optax
 >>> import optax_safefactor as osf

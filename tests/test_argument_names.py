@@ -216,6 +216,26 @@ def test_the_checked_functions_keep_their_signatures_and_calls():
   assert float(injected.init(PARAMS).hyperparams["decay_rate"]) == 0.5
 
 
+@pytest.mark.parametrize("factory", ["safefactor", "scale_by_safe_factored_rms", *WRAPPED])
+def test_a_name_bound_to_the_signature_first_is_answered_as_in_a_call(factory):
+  # optax.inject_hyperparams(osf.safefactor)(lr=1e-3) binds its arguments to the signature
+  # before it calls anything: Python's bare "got an unexpected keyword argument 'lr'" came
+  # from there.
+  function = osf.safefactor if factory == "safefactor" else (
+      osf.scale_by_safe_factored_rms if factory == "scale_by_safe_factored_rms"
+      else WRAPPED[factory])
+  for bind in (inspect.signature(function).bind, inspect.signature(function).bind_partial):
+    with pytest.raises(TypeError) as raised:
+      bind(optax.sgd(0.1), mu_dtype="bfloat16")
+    assert str(raised.value) == _refusal(factory, mu_dtype="bfloat16")
+  # What binds, binds as before.
+  assert inspect.signature(function).bind_partial(optax.sgd(0.1)).args[0] is not None
+  if factory == "safefactor":
+    with pytest.raises(TypeError, match=r"^safefactor\(\) got an unexpected keyword argument "
+                                        r"'lr': here it is learning_rate"):
+      optax.inject_hyperparams(osf.safefactor)(lr=1e-3)
+
+
 def test_the_peers_arguments_are_each_taken_or_explained():
   """Every argument of transformers' and PyTorch's Adafactors is one ``safefactor`` takes or
   one it answers with more than Python's message (read from their signatures where they

@@ -603,6 +603,22 @@ INJECTED = {
         lambda: osf.presets.transformers(lr=1e-2, relative_step=False, weight_decay=0.1)),
     "torch": (lambda: optax.inject_hyperparams(osf.presets.torch)(lr=1e-2, weight_decay=0.1),
               lambda: osf.presets.torch(lr=1e-2, weight_decay=0.1)),
+    # Overrides: inject_hyperparams passed them on gathered, as overrides={...}, which each
+    # preset refused as an unknown argument named "overrides".
+    "torch_overrides": (
+        lambda: optax.inject_hyperparams(osf.presets.torch)(lr=1e-2, momentum=0.9,
+                                                            skip_spikes=6.0),
+        lambda: osf.presets.torch(lr=1e-2, momentum=0.9, skip_spikes=6.0)),
+    "transformers_overrides": (
+        lambda: optax.inject_hyperparams(osf.presets.transformers)(
+            lr=1e-2, relative_step=False, weight_decay=0.1,
+            weight_decay_mask={"w": True, "kernel": False}),
+        lambda: osf.presets.transformers(lr=1e-2, relative_step=False, weight_decay=0.1,
+                                         weight_decay_mask={"w": True, "kernel": False})),
+    "t5x_overrides": (
+        lambda: optax.inject_hyperparams(osf.presets.t5x)(1e-2, beta2_cap=0.5,
+                                                          state_dtype="bfloat16"),
+        lambda: osf.presets.t5x(1e-2, beta2_cap=0.5, state_dtype="bfloat16")),
 }
 
 
@@ -630,6 +646,20 @@ def test_a_preset_injected_steps_as_the_preset_does(name):
       apart = ~np.isclose(ours, theirs, rtol=1e-6, atol=1e-9)
       assert apart.mean() < 1e-3
       np.testing.assert_allclose(ours, theirs, rtol=2.0**-8)
+
+
+@pytest.mark.parametrize("preset,kwargs,message", [
+    (osf.presets.t5x, dict(learning_rate=1e-2, momentum=0.9),
+     "presets.t5x(): momentum is set from this preset's own beta1; pass that instead of "
+     "momentum="),
+    (osf.presets.t5x, dict(learning_rate=1e-2, skip_nan_updates=True),
+     "presets.t5x(): skip_nan_updates is not taken: T5X keeps each NaN element's old value"),
+    (osf.presets.torch, dict(lr=1e-2, momentun=0.9),
+     "presets.torch() got an unexpected keyword argument 'momentun'; did you mean momentum?"),
+])
+def test_an_injected_presets_overrides_are_judged_by_their_names(preset, kwargs, message):
+  with pytest.raises(TypeError, match=re.escape(message)):
+    optax.inject_hyperparams(preset)(**kwargs).init({"w": jnp.ones((4, 3))})
 
 
 def test_a_switch_given_as_an_array_is_refused_naming_static_args():

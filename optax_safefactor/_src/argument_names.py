@@ -138,18 +138,47 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+def _refuse_unknown(function: str, kwargs: Iterable[str], arguments: tuple[str, ...]) -> None:
+  for name in kwargs:
+    if name not in arguments:
+      raise TypeError(unknown_argument(function, name, arguments))
+
+
+def _answering_signature(function: str, signature: inspect.Signature) -> inspect.Signature:
+  """``signature``, whose ``bind`` answers an unknown keyword as ``function`` does.
+
+  ``optax.inject_hyperparams(osf.safefactor)(lr=1e-3)`` binds its arguments to the
+  signature before anything calls the function, and got Python's bare message there.
+  """
+
+  class Answering(inspect.Signature):
+    __slots__ = ()
+
+    def bind(self, /, *args, **kwargs):
+      _refuse_unknown(function, kwargs, tuple(self.parameters))
+      return super().bind(*args, **kwargs)
+
+    def bind_partial(self, /, *args, **kwargs):
+      _refuse_unknown(function, kwargs, tuple(self.parameters))
+      return super().bind_partial(*args, **kwargs)
+
+  return Answering(list(signature.parameters.values()),
+                   return_annotation=signature.return_annotation)
+
+
 def explain_unknown_arguments(function: Callable[_P, _R]) -> Callable[_P, _R]:
   """``function``, raising :func:`unknown_argument`'s message for a keyword it does not take
-  (before it runs) instead of Python's bare one."""
-  arguments = tuple(inspect.signature(function).parameters)
+  (before it runs) instead of Python's bare one, also where its signature is bound first
+  (``optax.inject_hyperparams``)."""
+  signature = inspect.signature(function)
+  arguments = tuple(signature.parameters)
 
   @functools.wraps(function)
   def explained(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-    for name in kwargs:
-      if name not in arguments:
-        raise TypeError(unknown_argument(function.__name__, name, arguments))
+    _refuse_unknown(function.__name__, kwargs, arguments)
     return function(*args, **kwargs)
 
+  explained.__signature__ = _answering_signature(function.__name__, signature)  # type: ignore[attr-defined]
   return explained
 
 

@@ -36,15 +36,19 @@ _SAFEFACTOR_DEFAULTS = {name: parameter.default for name, parameter
 
 
 def given(overrides: Mapping[str, Any]) -> dict[str, Any]:
-  """The overrides a user gave: ``optax.inject_hyperparams`` binds a preset's signature with
-  its defaults applied, which fills ``**overrides`` and then passes it on by that name as
-  ``overrides={}``; that entry is no override.
+  """The overrides a user gave. ``optax.inject_hyperparams`` binds a preset's signature, which
+  gathers them into ``**overrides``, and then passes that on by its name, as
+  ``overrides={...}`` (``{}`` where none were given): its entries are the overrides.
 
-  >>> given({"overrides": {}, "eps": 1e-30})
+  >>> given({"overrides": {"eps": 1e-30}})
   {'eps': 1e-30}
+  >>> given({"overrides": {}}), given({"eps": 1e-30})
+  ({}, {'eps': 1e-30})
   """
-  return {name: value for name, value in overrides.items()
-          if not (name == "overrides" and isinstance(value, dict) and not value)}
+  bound = overrides.get("overrides")
+  if not isinstance(bound, dict):
+    return dict(overrides)
+  return {**{name: value for name, value in overrides.items() if name != "overrides"}, **bound}
 
 
 def injected(value: Any) -> bool:
@@ -152,15 +156,17 @@ def _same(value: Any, default: Any) -> bool:
 
 
 def check_overrides(preset_function: Callable[..., Any], overrides: Mapping[str, Any],
-                    taken: Mapping[str, str]) -> None:
-  """A TypeError for an override ``safefactor`` does not know or the preset already sets.
+                    taken: Mapping[str, str]) -> dict[str, Any]:
+  """The overrides the user gave (:func:`given`); a TypeError for one ``safefactor`` does
+  not know or the preset already sets.
 
   ``taken`` maps a ``safefactor`` argument to the preset's own argument(s) it comes from,
   or to the reason it is fixed, in parentheses. A name that is neither is answered with the
   nearest of the preset's own arguments and the overrides it leaves free.
   """
   preset = preset_function.__name__
-  for name in given(overrides):
+  overrides = given(overrides)
+  for name in overrides:
     if name in taken:
       if taken[name].startswith("("):
         raise TypeError(f"presets.{preset}(): {name} is fixed by this preset {taken[name]}")
@@ -174,6 +180,7 @@ def check_overrides(preset_function: Callable[..., Any], overrides: Mapping[str,
       then = " Overrides" if near.endswith("?") else "; overrides"
       raise TypeError(f"{near}{then} go to osf.safefactor, and this preset leaves these "
                       f"free: {', '.join(free)}")
+  return overrides
 
 
 def own_names(taken: Mapping[str, str]) -> dict[str, str]:

@@ -175,7 +175,7 @@ def big_vision(
            "decay_offset": "decay_offset", "beta2_cap": "beta2_cap",
            "clipping_threshold": "clipping_threshold", "momentum": "momentum",
            "dtype_momentum": "dtype_momentum", "eps": "eps"}
-  preset_assembly.check_overrides(big_vision, overrides, taken)
+  overrides = preset_assembly.check_overrides(big_vision, overrides, taken)
   # These go to optax's own steps, not to safefactor's checks.
   preset_assembly.check_number("big_vision", "learning_rate", learning_rate, "finite",
                                math.isfinite, schedule_ok=True)
@@ -186,7 +186,6 @@ def big_vision(
   if _none_if_zero(momentum) is None:
     preset_assembly.warn_unused(big_vision, {"dtype_momentum": dtype_momentum},
                                 "momentum is off")
-  overrides = preset_assembly.given(overrides)
   mask = overrides.pop("weight_decay_mask", _big_vision_wd_mask)
   decays = preset_assembly.is_set(wd)
   if not decays and mask is not _big_vision_wd_mask:
@@ -433,12 +432,12 @@ def t5x(
            "min_parameter_scale": "epsilon2", "dtype_momentum": "dtype_momentum",
            "factor_rules": "factor_map, logical_factor_rules and param_logical_axes",
            "max_parameter_scale": "max_parameter_scale"}
-  if "skip_nan_updates" in overrides:
+  if "skip_nan_updates" in preset_assembly.given(overrides):
     raise TypeError(
         "presets.t5x(): skip_nan_updates is not taken: T5X keeps each NaN element's old "
         "value, safefactor skips a non-finite step as a whole (skip_nonfinite_steps=True, "
         "the default)")
-  preset_assembly.check_overrides(t5x, overrides, taken)
+  overrides = preset_assembly.check_overrides(t5x, overrides, taken)
   preset_assembly.check_switches("t5x", factored=factored,
                                  multiply_by_parameter_scale=multiply_by_parameter_scale)
   # T5X asserts that a learning rate is given; safefactor would take None as "unscaled".

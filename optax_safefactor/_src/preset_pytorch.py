@@ -153,7 +153,7 @@ def transformers(
            "weight_decay_rate": "weight_decay and lr", "factor_rules": _FACTORED_AXES,
            "factored": _FACTORED_AXES, "min_dim_size_to_factor": _FACTORED_AXES,
            "multiply_by_parameter_scale": "scale_parameter"}
-  preset_assembly.check_overrides(transformers, overrides, taken)
+  overrides = preset_assembly.check_overrides(transformers, overrides, taken)
   preset_assembly.check_switches("transformers", scale_parameter=scale_parameter,
                                  relative_step=relative_step, warmup_init=warmup_init)
   eps1, eps2 = _pair("transformers", eps)
@@ -307,7 +307,7 @@ def torch(
            "weight_decay_rate": "weight_decay and lr", "factor_rules": _FACTORED_AXES,
            "factored": _FACTORED_AXES, "min_dim_size_to_factor": _FACTORED_AXES,
            "multiply_by_parameter_scale": "(always on in torch.optim.Adafactor)"}
-  preset_assembly.check_overrides(torch, overrides, taken)
+  overrides = preset_assembly.check_overrides(torch, overrides, taken)
   preset_assembly.check_switches("torch", maximize=maximize)
   eps1, eps2 = _pair("torch", eps)
   eps1 = float(np.finfo(np.float32).eps) if eps1 is None else eps1
