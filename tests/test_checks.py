@@ -560,6 +560,33 @@ def test_a_pair_is_refused_around_a_transformation_that_would_step_it(pair):
     tx.update(grads, tx.init(params), params)
 
 
+@pytest.mark.parametrize("name", TRANSFORMATIONS)
+def test_an_optimizer_state_given_for_the_params_or_the_grads_is_named(name):
+  # tx.init(opt_state) was refused at the state's int32 count as a param "not floating"
+  # (the wrappers of any optax transformation took it and made a state of the state), and
+  # a state given for the grads or the params got both trees' leaves listed.
+  params = _params()
+  tx = TRANSFORMATIONS[name].build()
+  state = tx.init(params)
+  # optax.chain's state is a plain tuple of its parts' states: the first is named.
+  kind = type(state[0] if type(state) is tuple else state).__name__
+  article = "an" if kind[0] in "AEIOU" else "a"
+  for given_state, holding in ((state, f"{article} {kind}"),
+                               (optax.adam(1e-3).init(params), "a ScaleByAdamState")):
+    with pytest.raises(TypeError, match=re.escape(
+        f"params hold an optimizer state ({holding}), not params: init takes the params the "
+        "optimizer is to train, opt_state = optimizer.init(params)")):
+      tx.init(given_state)
+  with pytest.raises(ValueError, match=re.escape(
+      f"grads hold an optimizer state ({article} {kind}), not gradients: call update(grads, "
+      "opt_state, params)")):
+    tx.update(state, state, params)
+  with pytest.raises(ValueError, match=re.escape(
+      f"grads do not match params: params hold an optimizer state ({article} {kind}), not "
+      "params: call update(grads, opt_state, params)")):
+    tx.update(params, state, state)
+
+
 def _variables():
   """A linen model's variables: the params under 'params', the batch statistics beside."""
   params = _params()

@@ -47,6 +47,22 @@ _PARAMS_ALONE = ("an optimizer takes the params alone, nnx.state(model, nnx.Para
 _LINEN_STATE_COLLECTIONS = ("batch_stats", "cache", "intermediates", "perturbations")
 
 
+def check_not_a_state(params: Any) -> None:
+  """An optimizer state given to ``init`` as the params (``tx.init(opt_state)``) is refused.
+
+  >>> import optax
+  >>> check_not_a_state({"w": jnp.ones(2)})
+  >>> check_not_a_state(optax.sgd(0.1, momentum=0.9).init({"w": jnp.ones(2)}))
+  Traceback (most recent call last):
+  TypeError: params hold an optimizer state (a TraceState), not params: init takes the ...
+  """
+  state = tree_mismatch.optimizer_state_in(params)
+  if state:
+    raise TypeError(f"params hold an optimizer state ({state_checks.with_article(state)}), not "
+                    "params: init takes the params the optimizer is to train, opt_state = "
+                    "optimizer.init(params)")
+
+
 def check_not_linen_variables(params: Any) -> None:
   """A linen model's whole ``variables`` (``{"params": ..., "batch_stats": ...}``) is refused.
 
@@ -230,6 +246,7 @@ def check_leaf_compensation(path: KeyPath, grad: Any, compensation: Any) -> None
 
 def check_init_params(params: Any, *, any_dtype: bool = False, exclude: str = _EXCLUDE) -> None:
   """Static checks of ``init``'s params (flax boxes unboxed), naming the parameter path."""
+  check_not_a_state(params)
   jax.tree_util.tree_map_with_path(
       lambda path, param: check_param_leaf(path, placement.unbox(param), any_dtype=any_dtype,
                                            exclude=exclude, box=param),

@@ -101,6 +101,7 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
 
   def init_fn(params):
     _check_64_bit_state(hp)
+    checks.check_not_a_state(params)
     checks.check_not_linen_variables(params)
     params = placement.numpy_as_jax(params)
     planned = []

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from optax_safefactor._src import placement
+from optax_safefactor._src.state_checks import with_article
 
 KeyPath = tuple[Any, ...]
 
@@ -42,6 +43,26 @@ def _by_first_key(tree: Any) -> tuple[set[str], dict[Any, set[str]]]:
       first = path[0].key if isinstance(path[0], jax.tree_util.DictKey) else path[0].idx
       groups.setdefault(first, set()).add(jax.tree_util.keystr(path[1:]))
   return paths, groups
+
+
+def _is_optimizer_state(node: Any) -> bool:
+  kind = type(node)
+  return (isinstance(node, tuple) and hasattr(node, "_fields") and kind.__name__.endswith("State")
+          and kind.__module__.partition(".")[0] in ("optax", "optax_safefactor"))
+
+
+def optimizer_state_in(tree: Any) -> str | None:
+  """The class name of the first optimizer state (optax's or this package's) in ``tree``,
+  which is then no tree of params or gradients, else ``None``.
+
+  >>> import optax
+  >>> optimizer_state_in((optax.EmptyState(), {"w": 1.0})), optimizer_state_in({"w": 1.0})
+  ('EmptyState', None)
+  """
+  for node in jax.tree.leaves(tree, is_leaf=_is_optimizer_state):
+    if _is_optimizer_state(node):
+      return type(node).__name__
+  return None
 
 
 def gradient_pair(tree: Any, reference: Any) -> str | None:
@@ -134,6 +155,13 @@ def mismatch_error(tree: Any, reference: Any, reference_name: str, *, name: str 
 
   ``name`` is what the user passed as ``tree``; ``hint``, if any, ends the message.
   """
+  # An optimizer state where the gradients or the params go: arguments mixed up.
+  state, reference_state = optimizer_state_in(tree), optimizer_state_in(reference)
+  if (state and not reference_state) or (reference_state and reference_name == "params"):
+    holder, what = (name, "gradients") if state else (reference_name, "params")
+    return ValueError(f"{name} do not match {reference_name}: {holder} hold an optimizer state "
+                      f"({with_article(state or reference_state)}), not {what}: call "
+                      f"update(grads, opt_state, params){hint}")
   pair = gradient_pair(tree, reference)
   if pair:
     return ValueError(f"{name} do not match {reference_name}: {name} is {pair}{hint}")
