@@ -332,6 +332,25 @@ def test_partition_specs_and_migration_refuse_what_is_no_optimizer_or_mesh():
     osf.state_partition_specs(osf.safefactor(0.1).init(concrete), params, SPECS)
 
 
+@pytest.mark.parametrize("given,says", [
+    (lambda params: SPECS, "is a PartitionSpec, not a param: pass the params (arrays or "
+                           "jax.ShapeDtypeStructs) and then their specs, "
+                           "state_partition_specs(optimizer, params, param_specs)"),
+    (lambda params: {k: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for k in params},
+     "is a SingleDeviceSharding, not a param: pass the params (arrays or "
+     "jax.ShapeDtypeStructs) and then their specs"),
+    (lambda params: {k: float(i) for i, k in enumerate(params)},
+     "is a float, not a param: pass arrays or jax.ShapeDtypeStructs"),
+])
+def test_partition_specs_name_what_was_given_for_the_params(given, says):
+  # The params' specs given second (the params left out) failed with "AttributeError: 'P'
+  # object has no attribute 'shape'", from inside.
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  with pytest.raises(TypeError, match=r"^state_partition_specs: params\['\w+'\] "
+                                      + re.escape(says)):
+    osf.state_partition_specs(osf.safefactor(0.1), given(params))
+
+
 def test_an_auto_mode_step_with_pinned_out_shardings_compiles_once_and_keeps_them():
   # Under jit in Auto mode XLA picks the outputs' shardings; the README's set-up pins
   # them with out_shardings from state_partition_specs, and the step then compiles once

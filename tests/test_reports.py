@@ -474,3 +474,16 @@ def test_the_summary_names_each_part_of_a_multi_transform():
       "1 skipped in total; guard0 (opt_state.inner_states['head'].inner_state): skipped 1 of "
       "1 step (1 in a row); non-finite: params['head'] x1 (last at step 0); "
       "guard1 (opt_state.inner_states['stack'].inner_state): no skipped steps in 1 step")
+
+
+@pytest.mark.parametrize("report", [
+    osf.skipped_steps, osf.skipped_spikes, osf.nonfinite_report, osf.nonfinite_summary,
+    lambda state: osf.check_nonfinite_steps(state, 3)])
+def test_the_optimizer_given_for_its_state_is_named(report):
+  # osf.skipped_steps(tx) asked "was the optimizer built with skip_nonfinite?" of an
+  # optimizer that was.
+  for tx in (osf.safefactor(0.1), osf.accumulate_gradients(osf.safefactor(0.1), 2)):
+    with pytest.raises(TypeError, match=(
+        r"^this is an optimizer \(a GradientTransformationExtraArgs\), not its state: pass "
+        r"the state it makes and updates, opt_state = optimizer.init\(params\)$")):
+      report(tx)

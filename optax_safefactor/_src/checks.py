@@ -244,6 +244,33 @@ def check_leaf_compensation(path: KeyPath, grad: Any, compensation: Any) -> None
     )
 
 
+def check_shaped_params(params: Any, function: str) -> None:
+  """``params`` given to ``function``, which reads their shapes and dtypes alone, must hold
+  arrays or ``jax.ShapeDtypeStruct``s (in flax boxes or not): the params' specs or
+  shardings given in their place are named as such.
+
+  >>> from jax.sharding import PartitionSpec as P
+  >>> check_shaped_params({"w": P("data")}, "state_partition_specs")
+  Traceback (most recent call last):
+  TypeError: state_partition_specs: params['w'] is a PartitionSpec, not a param: pass the ...
+  """
+  def check(path, leaf):
+    leaf = placement.unbox(leaf)
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      return
+    # PartitionSpec's class is called P in newer JAX releases.
+    spec = isinstance(leaf, jax.sharding.PartitionSpec)
+    kind = "PartitionSpec" if spec else type(leaf).__name__
+    advice = (f"pass the params (arrays or jax.ShapeDtypeStructs) and then their specs, "
+              f"{function}(optimizer, params, param_specs)"
+              if spec or isinstance(leaf, jax.sharding.Sharding) else
+              "pass arrays or jax.ShapeDtypeStructs")
+    raise TypeError(f"{function}: {path_name(path)} is {state_checks.with_article(kind)}, "
+                    f"not a param: {advice}")
+
+  jax.tree_util.tree_map_with_path(check, params, is_leaf=placement.is_box)
+
+
 def check_init_params(params: Any, *, any_dtype: bool = False, exclude: str = _EXCLUDE) -> None:
   """Static checks of ``init``'s params (flax boxes unboxed), naming the parameter path."""
   check_not_a_state(params)

@@ -361,6 +361,7 @@ def state_partition_specs(
   from optax_safefactor._src import checks
 
   checks.check_transformation(optimizer, "state_partition_specs", "optimizer")
+  checks.check_shaped_params(params, "state_partition_specs")
   if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"state_partition_specs: mesh must be a jax.sharding.Mesh (or None), got "
                     f"{mesh!r}")
