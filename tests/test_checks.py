@@ -523,6 +523,10 @@ def test_a_two_param_tuple_is_no_pair_and_other_mismatches_are_listed():
   with pytest.raises(ValueError, match=r"missing from grads: params\['w'\]; in grads but "
                                        r"not in the optimizer state: params\[0\]\['w'\]"):
     tx.update((nested, nested), tx.init(nested), nested)
+  # Three items, the gradients second: no pair, whatever its items hold.
+  with pytest.raises(ValueError, match=r"missing from grads: params\['w'\]") as error:
+    tx.update((jnp.ones(()), nested, jnp.ones(())), tx.init(nested), nested)
+  assert "pair" not in str(error.value)
 
 
 _TREES = st.recursive(
