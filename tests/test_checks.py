@@ -591,6 +591,18 @@ def test_an_optimizer_state_given_for_the_params_or_the_grads_is_named(name):
     tx.update(params, state, state)
 
 
+def test_a_state_compared_outside_update_is_not_told_to_call_update():
+  # migrate_from_optax compares its params with the optax statistics: "call update(grads,
+  # opt_state, params)" would be no advice there.
+  from optax_safefactor._src import tree_mismatch
+  params = _params()
+  state = optax.sgd(0.1, momentum=0.9).init(params)
+  message = str(tree_mismatch.mismatch_error(state, params, "optax_state's statistics",
+                                             name="params"))
+  assert message.startswith("params do not match optax_state's statistics: ")
+  assert "update(" not in message
+
+
 def _variables():
   """A linen model's variables: the params under 'params', the batch statistics beside."""
   params = _params()

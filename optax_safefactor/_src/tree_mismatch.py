@@ -155,9 +155,10 @@ def mismatch_error(tree: Any, reference: Any, reference_name: str, *, name: str 
 
   ``name`` is what the user passed as ``tree``; ``hint``, if any, ends the message.
   """
-  # An optimizer state where the gradients or the params go: arguments mixed up.
+  # An optimizer state where update's gradients or params go: its arguments mixed up.
   state, reference_state = optimizer_state_in(tree), optimizer_state_in(reference)
-  if (state and not reference_state) or (reference_state and reference_name == "params"):
+  if name == "grads" and ((state and not reference_state)
+                          or (reference_state and reference_name == "params")):
     holder, what = (name, "gradients") if state else (reference_name, "params")
     return ValueError(f"{name} do not match {reference_name}: {holder} hold an optimizer state "
                       f"({with_article(state or reference_state)}), not {what}: call "
