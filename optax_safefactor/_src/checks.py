@@ -366,6 +366,13 @@ def _call_example(fn: Any) -> str:
   return f"{name}({', '.join(required or [p.name for p in positional[:1]])})"
 
 
+def is_transformation(x: Any) -> bool:
+  """Whether ``x`` is an optax transformation: an object (no class) with callable ``init``
+  and ``update``, as optax accepts one."""
+  return not inspect.isclass(x) and all(callable(getattr(x, method, None))
+                                        for method in ("init", "update"))
+
+
 def check_transformation(inner: Any, wrapper: str, name: str = "inner") -> None:
   """``inner`` must be an optax transformation: raise ``TypeError`` at construction.
 
@@ -381,13 +388,12 @@ def check_transformation(inner: Any, wrapper: str, name: str = "inner") -> None:
   TypeError: skip_nonfinite: inner must be an optax GradientTransformation ..., got the
   function optax.sgd; call it: optax.sgd(learning_rate)
   """
-  is_class = inspect.isclass(inner)
-  if not is_class and all(callable(getattr(inner, method, None)) for method in ("init", "update")):
+  if is_transformation(inner):
     return
   expected = (f"{wrapper}: {name} must be an optax GradientTransformation (an object with "
               "init and update, e.g. optax.adamw(1e-3))")
   if callable(inner):
-    kind = "class" if is_class else "function"
+    kind = "class" if inspect.isclass(inner) else "function"
     raise TypeError(f"{expected}, got the {kind} {_public_name(inner)}; call it: "
                     f"{_call_example(inner)}")
   holding = argument_names.tree_of_arrays(inner)

@@ -321,8 +321,7 @@ def find_counters_with_paths(opt_state: Any) -> list[tuple[tuple[Any, ...], Any]
         "and optimizer pair, as saved or restored), which keeps the optimizer state's arrays "
         "but not its types, so no guard can be found in it: pass optimizer.opt_state (or "
         "the nnx.Optimizer), after nnx.update or nnx.merge of a restored state")
-  if not found and callable(getattr(opt_state, "init", None)) and callable(
-      getattr(opt_state, "update", None)):
+  if not found and checks.is_transformation(opt_state):
     raise TypeError(
         f"this is an optimizer ({state_checks.with_article(type(opt_state).__name__)}), not "
         "its state: pass the state it makes and updates, opt_state = optimizer.init(params)")

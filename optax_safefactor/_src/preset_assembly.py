@@ -200,7 +200,8 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
           after: Sequence[optax.GradientTransformation] = ()
           ) -> optax.GradientTransformationExtraArgs:
   """``safefactor(**settings, **overrides)``, between stateless ``before`` steps and
-  ``after`` steps that change its update.
+  ``after`` steps that change its update; ``overrides`` as :func:`check_overrides`
+  returns them.
 
   ``safefactor``'s errors and warnings call a setting by the preset's own argument it comes
   from (``taken``, as :func:`check_overrides` takes it) and name the preset, and its
@@ -209,7 +210,7 @@ def build(preset: str, settings: dict[str, Any], overrides: Mapping[str, Any],
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     try:
-      tx = _assembled(preset, {**_without_unused(settings), **given(overrides)},
+      tx = _assembled(preset, {**_without_unused(settings), **overrides},
                       own_names(taken), before, after)
     except (TypeError, ValueError) as error:
       said = f"presets.{preset}(): "
