@@ -401,8 +401,8 @@ def test_absorbing_a_value_keeps_distinct_keys_distinct():
                      .astype(np.uint32))
   value = jnp.uint32(12345)
   for flip in (1, 2**16, 2**31):
-    absorbed = np.asarray(bit_streams._absorb(keys, value))
-    flipped = np.asarray(bit_streams._absorb(keys ^ np.uint32(flip), value))
+    absorbed = np.asarray(bit_streams.absorb(keys, value))
+    flipped = np.asarray(bit_streams.absorb(keys ^ np.uint32(flip), value))
     assert not np.any(absorbed == flipped), flip
 
 

@@ -62,7 +62,7 @@ def _mix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def _absorb(key: jax.Array, value: jax.Array) -> jax.Array:
+def absorb(key: jax.Array, value: jax.Array) -> jax.Array:
   """``mix32(key * GOLDEN ^ value)``: for a fixed key, distinct values give distinct keys."""
   return _mix32((key * _GOLDEN) ^ value)
 
@@ -132,7 +132,7 @@ def stream_key(seed: Any, step: Any, path_hash: Any, stream: Any) -> jax.Array:
   seed_words = _seed_words(seed)
   key = jnp.asarray(_KEY_START)
   for value in (*seed_words, step, path_hash, stream):
-    key = _absorb(key, _uint32(value))
+    key = absorb(key, _uint32(value))
   return key
 
 
@@ -145,7 +145,7 @@ def index_bits(key: jax.Array, index_lo: jax.Array, index_hi: jax.Array | int = 
   get different bits. A scalar ``index_hi`` (0 for leaves under 2**32 elements)
   costs nothing per element.
   """
-  row_key = _absorb(key, _uint32(index_hi))
+  row_key = absorb(key, _uint32(index_hi))
   return _mix32(_uint32(index_lo) ^ row_key)
 
 

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import argument_names, placement, state_checks, tree_mismatch
+from optax_safefactor._src import (
+    argument_names,
+    manual_axes,
+    placement,
+    state_checks,
+    tree_mismatch,
+)
 from optax_safefactor._src.tree_mismatch import path_name
 from optax_safefactor._src.write_back import is_narrow
 
@@ -302,14 +308,21 @@ def check_update_inputs(grads: Any, params: Any | None, *, any_dtype: bool = Fal
 
 
 def check_leaf_state(path: KeyPath, grad: Any, moment: Any, stat_shapes: dict, momentum: Any,
-                     statistics_dtype: tuple[Any, str], momentum_dtype: tuple[Any, str]) -> None:
+                     statistics_dtype: tuple[Any, str], momentum_dtype: tuple[Any, str],
+                     whole_leaf: list[str] | None = None) -> None:
   """A leaf's state as this optimizer keeps it: statistics of the shapes its plan gives
   (``FactorPlan.stat_shapes``, keepdims) and, like its momentum, in the dtype it keeps them
   in (:func:`check_state_dtype`; each dtype with the argument that sets it).
 
   The state's shapes record the plan ``init`` used; a mismatch means the state was made
-  for other params or with other factoring settings.
+  for other params or with other factoring settings. Before them: a grad split over
+  ``jax.shard_map``'s mesh axes, refused when the leaf's step reduces over the whole leaf
+  (``whole_leaf`` names those reductions: its row and column statistics, its clipping, ...).
   """
+  if whole_leaf and isinstance(grad, jax.core.Tracer):
+    axes = manual_axes.varying_axes(grad)
+    if axes:
+      raise manual_axes.shard_statistics_error(path_name(path), axes, whole_leaf)
   found = dict(zip(moment._fields, map(np.shape, moment), strict=True))
   if found != stat_shapes:
     raise ValueError(
@@ -336,6 +349,10 @@ def check_grad_matches_param(path: KeyPath, grad: Any, param: Any, *,
   """Shapes must be equal and, unless ``any_dtype``, dtypes identical."""
   check_param_leaf(path, param, any_dtype=any_dtype, stepped=True)
   check_grad_shape(path, grad, param)
+  if isinstance(grad, jax.core.Tracer):  # (only a traced value can differ between devices)
+    unaveraged = sorted(set(manual_axes.varying_axes(grad)) - set(manual_axes.varying_axes(param)))
+    if unaveraged:
+      raise manual_axes.unaveraged_grads_error(path_name(path), tuple(unaveraged))
   if not any_dtype and grad.dtype != param.dtype:
     raise TypeError(
         f"{path_name(path)}: grad dtype {grad.dtype} != param dtype {param.dtype}; "

@@ -38,6 +38,7 @@ from jax.experimental import checkify
 
 from optax_safefactor._src import (
     checks,
+    manual_axes,
     numerics,
     placement,
     reports,
@@ -325,7 +326,9 @@ def _square_sums(grads: Any) -> jax.Array:
     grad = jnp.asarray(grad)
     if not jnp.issubdtype(grad.dtype, jnp.inexact):
       return jnp.zeros([], jnp.float32)
-    return jnp.sum(abs_sq(grad.astype(numerics.compute_dtype(grad.dtype))))
+    # (Inside jax.shard_map, a split leaf's sum over the devices that hold its shards.)
+    square = abs_sq(grad.astype(numerics.compute_dtype(grad.dtype)))
+    return manual_axes.whole_sum(jnp.sum(square))
 
   sums = [square_sum(grad).astype(jnp.float32) for grad in jax.tree.leaves(grads)]
   return jnp.stack(sums) if sums else jnp.zeros([0], jnp.float32)

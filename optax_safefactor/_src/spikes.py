@@ -28,7 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_safefactor._src import checks, numerics, placement, state_checks, user_warnings
+from optax_safefactor._src import (
+    checks,
+    manual_axes,
+    numerics,
+    placement,
+    state_checks,
+    user_warnings,
+)
 
 # The standard deviation is at least this fraction of the mean's magnitude: over a nearly
 # constant history, with skip_spikes=6, no value within 12% of the mean is a spike.
@@ -207,6 +214,13 @@ def check_value(value: Any) -> jax.Array | None:
     raise ValueError(
         f"value= must be the step's scalar loss, got an array of shape {shape}; pass the "
         "mean loss (value=jnp.mean(losses))")
+  axes = manual_axes.varying_axes(value)
+  if axes:
+    raise ValueError(
+        "value= differs from device to device inside jax.shard_map (it varies over "
+        f"{manual_axes.axes_phrase(axes)}), so each device would judge its own loss and skip "
+        "other steps; pass the loss averaged over the devices, "
+        f"{manual_axes.pmean_call('loss', axes)}")
   return jnp.reshape(jnp.asarray(value), ()).astype(jnp.float32)
 
 

@@ -98,6 +98,12 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   guarded = hp.skip_nonfinite_steps
   keeps_compensation = write_back.keeps_compensation(hp.param_rounding)
   rounds_onto_params = write_back.rounds_onto_params(hp.param_rounding)
+  # What every leaf's step reduces over the whole leaf, beside a factored leaf's
+  # statistics: inside jax.shard_map, a leaf split between devices is refused for them.
+  whole_leaf = [what for what, done in (
+      ("its update's RMS clipping", hp.clipping_threshold is not None),
+      ("its parameter scale", hp.multiply_by_parameter_scale),
+      ("skip_spikes' gradient norm", hp.skip_spikes is not None)) if done]
 
   def init_fn(params):
     _check_64_bit_state(hp)
@@ -188,10 +194,13 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
             numerics.momentum_dtype(hp.dtype_momentum, grad.dtype))
         real_dtypes.add(numbers_by_dtype[grad.dtype][0].real)
       numbers, state_dtype, kept_momentum_dtype = numbers
-      plan = planner(path, grad.shape, isinstance(moment, kernel.FactoredMoment))
+      factored = isinstance(moment, kernel.FactoredMoment)
+      plan = planner(path, grad.shape, factored)
+      reductions = ["its row and column statistics"] * factored + whole_leaf
       checks.check_leaf_state(path, grad, moment, plan.stat_shapes(grad.shape), momentum,
                               (state_dtype, f"state_dtype={hp.state_dtype!r}"),
-                              (kept_momentum_dtype, f"dtype_momentum={hp.dtype_momentum!r}"))
+                              (kept_momentum_dtype, f"dtype_momentum={hp.dtype_momentum!r}"),
+                              whole_leaf=reductions)
       return kernel.Leaf(
           plan=plan,
           compute_dtype=numbers.compute,

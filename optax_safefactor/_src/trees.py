@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import compat
+from optax_safefactor._src import compat, manual_axes
 
 
 def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
@@ -160,12 +160,20 @@ params['b'] (mask['b'] is None, which JAX reads as an empty subtree, not a leaf:
 
 
 def flag_vector(flags: list[jax.Array]) -> jax.Array:
-  """Scalar flags, or vectors of them (one per packed leaf), as one bool vector."""
+  """Scalar flags, or vectors of them (one per packed leaf), as one bool vector.
+
+  Inside ``jax.shard_map`` a split leaf's flag is its shard's: the vector is then true
+  only where every device's is (:func:`manual_axes.on_every_shard`), so that the step's
+  verdict and counters are the whole tree's, the same on every device.
+  """
   if not flags:
     return jnp.zeros([0], bool)
   if all([jnp.ndim(flag) == 0 for flag in flags]):
-    return jnp.stack(flags)
-  return jnp.concatenate([jnp.ravel(flag) for flag in flags])
+    vector = jnp.stack(flags)
+  else:
+    vector = jnp.concatenate([jnp.ravel(flag) for flag in flags])
+  # (Only a traced value can differ between devices.)
+  return manual_axes.on_every_shard(vector) if isinstance(vector, jax.core.Tracer) else vector
 
 
 def check_decay_mask(path: tuple[Any, ...], mask: Any, param: Any) -> None:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_safefactor._src import bit_streams, numerics, xla_hints
+from optax_safefactor._src import bit_streams, manual_axes, numerics, xla_hints
 from optax_safefactor._src.rounding import (
     exact_cast,
     needs_rounding,
@@ -143,13 +143,20 @@ class Rounding(NamedTuple):
   path_hash: Any
   keys: tuple[tuple[int, jax.Array], ...] = ()
 
-  def bits(self, shape: tuple[int, ...], stream: int) -> jax.Array:
+  def bits(self, rounded: jax.Array, stream: int) -> jax.Array:
+    """The bits, one per element, that round ``rounded`` (or what it is written onto)."""
     key = dict(self.keys).get(stream)
     if key is None:
       key = bit_streams.stream_key(self.seed, self.step, self.path_hash, stream)
+    if isinstance(rounded, jax.core.Tracer):  # (only a traced value can differ between devices)
+      axes = manual_axes.varying_axes(rounded)
+      if axes:
+        # Inside jax.shard_map a device holds a shard, whose elements' indices are the
+        # same from shard to shard: its position among the devices keys its own bits.
+        key = bit_streams.absorb(key, jax.lax.axis_index(axes).astype(jnp.uint32))
     if isinstance(self.path_hash, np.ndarray):  # packed rows: a key per row
-      return bit_streams.row_bits_from_keys(key, shape)
-    return bit_streams.bits_from_key(key, shape)
+      return bit_streams.row_bits_from_keys(key, rounded.shape)
+    return bit_streams.bits_from_key(key, rounded.shape)
 
 
 def rounding_for(mode: str, seed: Any, step: jax.Array, path: Any) -> Rounding | None:
@@ -369,7 +376,7 @@ def store(values: tuple[jax.Array, ...], dtype: DTypeLike, how: Rounding | None,
   stochastic = how is not None and how.stochastic
   largest = float(jnp.finfo(dtype).max)
   return tuple([
-      stochastic_round(x, dtype, how.bits(x.shape, stream))
+      stochastic_round(x, dtype, how.bits(x, stream))
       if stochastic and needs_rounding(dtype, x.dtype)
       else jnp.where(jnp.isfinite(x), jnp.clip(x, -largest, largest), x).astype(dtype)
       # Real values only, as rounding.saturating_cast: a complex momentum is cast as it is.
@@ -394,6 +401,6 @@ def write_back(
   if how is None or not needs_rounding(param.dtype, update.dtype):
     return saturating_cast(update, dtype), compensation
   if how.stochastic:
-    bits = how.bits(param.shape, bit_streams.STREAM_PARAMS)
+    bits = how.bits(param, bit_streams.STREAM_PARAMS)
     return stochastic_write_back(param, update, bits), compensation
   return kahan_write_back(param, update, compensation)
