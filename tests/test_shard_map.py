@@ -25,9 +25,9 @@ def _mesh():
   return jax.make_mesh((2, 4), ("data", "model"))
 
 
-def _params(dtype=jnp.float32):
-  return {"w": jnp.linspace(-1.0, 1.0, 256 * 128, dtype=jnp.float32).reshape(256, 128).astype(dtype),
-          "b": jnp.zeros((128,), dtype)}
+def _params():
+  return {"w": jnp.linspace(-1.0, 1.0, 256 * 128, dtype=jnp.float32).reshape(256, 128),
+          "b": jnp.zeros((128,), jnp.float32)}
 
 
 def _grads(seed, scale=1.0, nan_at=None):
