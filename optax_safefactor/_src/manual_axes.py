@@ -1,5 +1,4 @@
-"""Inside ``jax.shard_map``: which values differ from device to device, and the step's
-whole-array decisions taken over every device's shard.
+"""Inside ``jax.shard_map``: values that differ between devices, and whole-array decisions.
 
 Under ``jax.jit`` every array is whole (GSPMD splits the work, not the maths), so a leaf's
 reductions and the guard's verdict are the whole array's, and nothing here changes the
