@@ -244,3 +244,68 @@ def test_skip_nonfinite_names_grads_of_other_leaves_than_the_params():
                                          r"params\['b'\]$") as caught:
       tx.update({"w": jnp.ones(3)}, tx.init(params), params)
     assert caught.value.__cause__ is not None
+
+
+# --- a state the wrapped transformation's init does not make -------------------------------
+
+WRAPPERS = {
+    "skip_nonfinite": osf.skip_nonfinite,
+    "with_param_rounding": osf.with_param_rounding,
+    "accumulate_gradients": lambda inner: osf.accumulate_gradients(inner, 1),
+}
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrappers_name_a_wrapped_state_of_another_configuration(wrapper, jitted):
+  # A notebook's optimizer cell run again with sgd in adam's place, and the old state kept:
+  # optax failed with "'TraceState' object has no attribute 'mu'".
+  params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.full((4, 3), 0.5)}
+  old = WRAPPERS[wrapper](optax.chain(optax.clip(1.0), optax.sgd(1e-3, momentum=0.9)))
+  tx = WRAPPERS[wrapper](optax.chain(optax.clip(1.0), optax.adam(1e-3)))
+  update = jax.jit(tx.update) if jitted else tx.update
+  with pytest.raises(TypeError) as error:
+    update(grads, old.init(params), params)
+  assert str(error.value).startswith(
+      f"the transformation inside {wrapper}(...) failed on a state its init does not make "
+      "for these params (at its state[1][0], a TraceState where the other holds a "
+      "ScaleByAdamState): the state was made by another optimizer")
+  assert "Make the state with this optimizer's init" in str(error.value)
+  assert isinstance(error.value.__cause__, AttributeError)  # optax's own, kept as the cause
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrappers_name_a_wrapped_state_with_a_member_fewer(wrapper):
+  params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.full((4, 3), 0.5)}
+  old = WRAPPERS[wrapper](optax.adam(1e-3))
+  tx = WRAPPERS[wrapper](optax.chain(optax.clip(1.0), optax.adam(1e-3)))
+  with pytest.raises(TypeError, match=r"\(at its state\[0\], a ScaleByAdamState where the "
+                     r"other holds an EmptyState\)"):
+    tx.update(grads, old.init(params), params)
+
+
+class _Failing(optax.GradientTransformation):
+  """sgd whose update fails (``error``) or whose init cannot take the params (``init_fails``)."""
+
+  def __new__(cls, error, init_fails=False):
+    sgd = optax.sgd(1e-3)
+
+    def init(params):
+      if init_fails and isinstance(params["w"], jax.core.Tracer):  # as under jax.eval_shape
+        raise KeyError("only concrete params")
+      return sgd.init(params)
+
+    def update(updates, state, params=None):
+      raise error
+
+    return super().__new__(cls, init, update)
+
+
+@pytest.mark.parametrize("init_fails", [False, True], ids=["own-layout", "init-fails"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_wrapped_update_that_fails_on_its_own_state_raises_its_own_error(wrapper, init_fails):
+  params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.full((4, 3), 0.5)}
+  tx = WRAPPERS[wrapper](_Failing(ValueError("the inner transformation's own"), init_fails))
+  # (Under accumulate_gradients' lax.cond, JAX adds a line on its traceback filtering.)
+  with pytest.raises(ValueError, match=r"^the inner transformation's own(\n|$)"):
+    tx.update(grads, tx.init(params), params)

@@ -26,6 +26,7 @@ from optax_safefactor._src import (
     placement,
     state_checks,
     trees,
+    wrapped_update,
     xla_hints,
 )
 from optax_safefactor._src.argument_names import explain_unknown_arguments
@@ -220,7 +221,8 @@ def accumulate_gradients(
 
     def step_inner(accumulator, inner_state):
       mean = jax.tree.map(partial(_mean, count=count), accumulator, grads)
-      new_updates, new_inner = inner.update(mean, inner_state, params, **extra_args)
+      new_updates, new_inner = wrapped_update.update(inner, "accumulate_gradients", mean,
+                                                     inner_state, params, **extra_args)
       # The held state is the old one: keep each leaf's dtype so both agree.
       new_inner = jax.tree.map(lambda new, old: jnp.asarray(new, jnp.asarray(old).dtype),
                                new_inner, inner_state)

@@ -45,6 +45,7 @@ from optax_safefactor._src import (
     spikes,
     state_checks,
     user_warnings,
+    wrapped_update,
     xla_hints,
 )
 from optax_safefactor._src.argument_names import explain_unknown_arguments
@@ -445,7 +446,8 @@ def skip_nonfinite(
                        "is largest, so it needs grads shaped like the params")
     loss = spikes.loss_given(extra_args) if skip_spikes is not None else None
     try:
-      new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+      new_updates, new_inner = wrapped_update.update(inner, "skip_nonfinite", updates,
+                                                     state.inner_state, params, **extra_args)
     except Exception as error:
       if grads_error is None:
         raise

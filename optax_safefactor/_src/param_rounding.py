@@ -22,6 +22,7 @@ from optax_safefactor._src import (
     placement,
     state_checks,
     user_warnings,
+    wrapped_update,
     write_back,
 )
 from optax_safefactor._src.argument_names import explain_unknown_arguments
@@ -210,8 +211,8 @@ def with_param_rounding(
       for (path, param), compensation in zip(
           flat_params, params_def.flatten_up_to(stored), strict=True):
         checks.check_leaf_compensation(path, param, compensation)
-    inner_updates, inner_state = inner.update(
-        _widen_grads(updates, params), state.inner_state,
+    inner_updates, inner_state = wrapped_update.update(
+        inner, "with_param_rounding", _widen_grads(updates, params), state.inner_state,
         None if params is None else _widen(params), **extra_args,
     )
     checks.check_same_structure(updates, inner_updates, "the inner transformation's updates")

@@ -181,15 +181,15 @@ def mismatch_error(tree: Any, reference: Any, reference_name: str, *, name: str 
     # The same leaves in other containers (flax's boxes of another kind, a list for a
     # tuple): name the first container that differs rather than print both trees.
     tree_def, reference_def = jax.tree.structure(tree), jax.tree.structure(reference)
-    details.append(_first_node_difference(tree_def, reference_def, name) or
+    details.append(first_node_difference(tree_def, reference_def, name) or
                    f"{name} tree {tree_def} != {reference_name} tree {reference_def}")
   return ValueError(f"{name} do not match {reference_name}: " + "; ".join(details) + hint)
 
 
-def _first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str | None:
+def first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str | None:
   """Where two tree structures first hold different kinds of node, in words.
 
-  >>> _first_node_difference(jax.tree.structure({"w": (1, 2)}),
+  >>> first_node_difference(jax.tree.structure({"w": (1, 2)}),
   ...                        jax.tree.structure({"w": [1, 2]}), "params")
   "at params['w'], a tuple where the other holds a list"
   """
@@ -198,13 +198,14 @@ def _first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str 
   if kind is not reference_kind:
     def noun(node_kind):
       return "leaf" if node_kind is None else node_kind.__name__
-    return f"at {path}, a {noun(kind)} where the other holds a {noun(reference_kind)}"
+    return (f"at {path}, {with_article(noun(kind))} where the other holds "
+            f"{with_article(noun(reference_kind))}")
   children, reference_children = tree_def.children(), reference_def.children()
   keys = data[1] if kind is dict else range(len(children))
   if len(children) != len(reference_children):
     return None
   for key, child, reference_child in zip(keys, children, reference_children, strict=True):
-    found = _first_node_difference(child, reference_child, f"{path}[{key!r}]")
+    found = first_node_difference(child, reference_child, f"{path}[{key!r}]")
     if found:
       return found
   return None
