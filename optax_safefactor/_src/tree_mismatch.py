@@ -190,7 +190,7 @@ def first_node_difference(tree_def: Any, reference_def: Any, path: str) -> str |
   """Where two tree structures first hold different kinds of node, in words.
 
   >>> first_node_difference(jax.tree.structure({"w": (1, 2)}),
-  ...                        jax.tree.structure({"w": [1, 2]}), "params")
+  ...                       jax.tree.structure({"w": [1, 2]}), "params")
   "at params['w'], a tuple where the other holds a list"
   """
   data, reference_data = tree_def.node_data(), reference_def.node_data()
