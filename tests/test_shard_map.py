@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -237,3 +239,45 @@ def test_under_pmap_each_device_steps_the_whole_arrays_as_under_jit():
     on_device = jax.tree.map(lambda x, device=device: x[device], per_device)
     assert_trees_close(on_device[0], whole[0], rtol=1e-6)
     assert int(osf.skipped_steps(on_device[1])) == int(osf.skipped_steps(whole[1])) == 1
+
+
+# Each leaf's placement: replicated, or split along one of its axes over one mesh axis or both.
+_PLACEMENTS = {
+    "w": [P(), P("model", None), P(None, "model"), P("data", None), P(("data", "model"), None),
+          P("data", "model")],
+    "b": [P(), P("model"), P("data"), P(("data", "model"))],
+}
+_ELEMENTWISE = {
+    "skip_nonfinite(sgd)": lambda: osf.skip_nonfinite(optax.sgd(1e-2, momentum=0.9)),
+    "skip_nonfinite(sgd), spikes": lambda: osf.skip_nonfinite(
+        optax.sgd(1e-2), skip_spikes=3.0, spike_window=2),
+    "accumulate_gradients(sgd)": lambda: osf.accumulate_gradients(optax.sgd(1e-2), 2),
+    "safefactor, elementwise": lambda: osf.safefactor(
+        1e-2, factored=False, clipping_threshold=None, multiply_by_parameter_scale=False,
+        momentum=0.9),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(sorted(_ELEMENTWISE)),
+    w_spec=st.sampled_from(_PLACEMENTS["w"]),
+    b_spec=st.sampled_from(_PLACEMENTS["b"]),
+    poisoned=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["w", "b"]),
+                                st.integers(0, 127), st.sampled_from([np.nan, np.inf])),
+                      max_size=2),
+    spiky_step=st.sampled_from([None, 2, 3]),
+)
+def test_any_placement_steps_inside_shard_map_as_under_jit(name, w_spec, b_spec, poisoned,
+                                                           spiky_step):
+  # Whatever is split, over whichever axes, and wherever a step is poisoned or spikes:
+  # the same params, the same skipped steps and the same per-leaf report as jax.jit's.
+  grads = [_grads(step) for step in range(4)]
+  for step, leaf, index, value in poisoned:
+    grads[step][leaf] = grads[step][leaf].at[index].set(value)
+  if spiky_step is not None:
+    grads[spiky_step]["w"] = grads[spiky_step]["w"].at[:32].multiply(1e4)
+  sharded, whole = _steps(_ELEMENTWISE[name](), {"w": w_spec, "b": b_spec}, grads)
+  _assert_same(sharded, whole)
+  if "spikes" in name:
+    assert int(osf.skipped_spikes(sharded[1])) == int(osf.skipped_spikes(whole[1]))
