@@ -45,7 +45,7 @@ def _put(mesh, tree, specs):
   return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), tree, specs)
 
 
-def _steps(tx, specs, grads_list, *, losses=None, average=False, vary_grads=False):
+def _steps(tx, specs, grads_list, *, losses=None, average=False, vary_grads=()):
   """``tx``'s steps inside ``shard_map`` (params and grads placed by ``specs``), then the
   same steps under ``jax.jit`` on the whole arrays: both final (params, state) pairs."""
   mesh = _mesh()
@@ -59,7 +59,8 @@ def _steps(tx, specs, grads_list, *, losses=None, average=False, vary_grads=Fals
     if average:
       grads = jax.lax.pmean(grads, "data")
     if vary_grads:  # a different gradient on each device, as a local batch's would be
-      grads = jax.tree.map(lambda g: g * (1.0 + jax.lax.axis_index("data").astype(g.dtype)), grads)
+      index = jax.lax.axis_index(vary_grads)
+      grads = jax.tree.map(lambda g: g * (1.0 + index.astype(g.dtype)), grads)
     updates, state = tx.update(grads, state, params, **extra(loss))
     return optax.apply_updates(params, updates), state
 
@@ -155,7 +156,14 @@ def test_gradients_not_averaged_over_the_devices_of_a_replicated_param_are_refus
   with pytest.raises(ValueError, match=r"params\['b'\]: the gradient differs from device to "
                      r"device inside jax.shard_map \(it varies over mesh axis 'data'\) .* "
                      r"jax.lax.pmean\(grads, 'data'\)"):
-    _steps(make(), REPLICATED, [_grads(0)], vary_grads=True)
+    _steps(make(), REPLICATED, [_grads(0)], vary_grads=("data",))
+
+
+def test_gradients_that_differ_over_two_mesh_axes_are_averaged_over_both():
+  with pytest.raises(ValueError, match=r"it varies over mesh axes 'data', 'model'\) .* "
+                     r"jax.lax.pmean\(grads, \('data', 'model'\)\)(\n|$)"):
+    _steps(osf.skip_nonfinite(optax.sgd(1e-2)), REPLICATED, [_grads(0)],
+           vary_grads=("data", "model"))
 
 
 def test_a_loss_that_differs_between_devices_is_refused():

@@ -288,7 +288,7 @@ class _Failing(optax.GradientTransformation):
   """sgd whose update fails (``error``) or whose init cannot take the params (``init_fails``)."""
 
   def __new__(cls, error, init_fails=False):
-    sgd = optax.sgd(1e-3)
+    sgd = optax.sgd(1e-3, momentum=0.9)  # a state shaped by the params
 
     def init(params):
       if init_fails and isinstance(params["w"], jax.core.Tracer):  # as under jax.eval_shape
@@ -302,10 +302,18 @@ class _Failing(optax.GradientTransformation):
 
 
 @pytest.mark.parametrize("init_fails", [False, True], ids=["own-layout", "init-fails"])
-@pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_a_wrapped_update_that_fails_on_its_own_state_raises_its_own_error(wrapper, init_fails):
+@pytest.mark.parametrize("wrapper, with_params", [
+    *[(wrapper, True) for wrapper in WRAPPERS],
+    # Without params (with_param_rounding needs them), init lays the state out by the grads:
+    # given None, it would lay out none.
+    ("skip_nonfinite", False), ("accumulate_gradients", False),
+])
+def test_a_wrapped_update_that_fails_on_its_own_state_raises_its_own_error(
+    wrapper, with_params, init_fails):
   params, grads = {"w": jnp.ones((4, 3))}, {"w": jnp.full((4, 3), 0.5)}
   tx = WRAPPERS[wrapper](_Failing(ValueError("the inner transformation's own"), init_fails))
+  state = tx.init(params)
+  params = params if with_params else None
   # (Under accumulate_gradients' lax.cond, JAX adds a line on its traceback filtering.)
   with pytest.raises(ValueError, match=r"^the inner transformation's own(\n|$)"):
-    tx.update(grads, tx.init(params), params)
+    tx.update(grads, state, params)
