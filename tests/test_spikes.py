@@ -379,6 +379,16 @@ def test_bad_settings_are_refused_by_name(kwargs, error, match):
     osf.safefactor(0.1, **kwargs)
 
 
+@pytest.mark.parametrize("threshold", [1e-3, 0.5, 1.0, 3])
+def test_any_positive_number_of_standard_deviations_is_taken(threshold):
+  # Below one standard deviation too: a strict rule, not a mistake.
+  for tx in (osf.safefactor(0.1, skip_spikes=threshold),
+             osf.skip_nonfinite(optax.sgd(0.1), skip_spikes=threshold)):
+    params = {"w": jnp.ones((3, 2))}
+    _, state = tx.update({"w": jnp.ones((3, 2))}, tx.init(params), params)
+    assert int(osf.skipped_steps(state)) == 0
+
+
 def test_a_state_without_history_and_a_loss_that_is_not_a_scalar_are_refused():
   params = _params()
   grads = _grads([1.0])[0]
