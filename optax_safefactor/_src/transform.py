@@ -9,6 +9,7 @@ the step's skip verdict from the leaves' flags, per leaf the second half
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -100,10 +101,10 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
   rounds_onto_params = write_back.rounds_onto_params(hp.param_rounding)
   # What every leaf's step reduces over the whole leaf, beside a factored leaf's
   # statistics: inside jax.shard_map, a leaf split between devices is refused for them.
-  whole_leaf = [what for what, done in (
-      ("its update's RMS clipping", hp.clipping_threshold is not None),
-      ("its parameter scale", hp.multiply_by_parameter_scale),
-      ("skip_spikes' gradient norm", hp.skip_spikes is not None)) if done]
+  whole_leaf = list(itertools.compress(
+      ("its update's RMS clipping", "its parameter scale", "skip_spikes' gradient norm"),
+      (hp.clipping_threshold is not None, hp.multiply_by_parameter_scale,
+       hp.skip_spikes is not None)))
 
   def init_fn(params):
     _check_64_bit_state(hp)
