@@ -493,6 +493,7 @@ def t5x(
       eps=epsilon1, min_parameter_scale=epsilon2, dtype_momentum=dtype_momentum,
       factor_rules=factor_rules, max_parameter_scale=max_parameter_scale)
   if preset_assembly.injected(clip):  # an injected 0 is no clipping, as a number 0 is
-    clip = jnp.where(clip > 0, clip, jnp.inf)
+    # (clip's largest value, not Inf, which jax_debug_infs would stop at: no norm reaches it)
+    clip = jnp.where(clip > 0, clip, float(jnp.finfo(clip.dtype).max))
   before = [optax.clip_by_global_norm(clip)] if preset_assembly.is_set(clip) else []
   return preset_assembly.build("t5x", settings, overrides, taken=taken, before=before)

@@ -80,7 +80,7 @@ def _uniform(bits: jax.Array, wide: DTypeLike) -> jax.Array:
 def _stochastic_round_generic(x: jax.Array, dtype: DTypeLike, bits: jax.Array) -> jax.Array:
   """Round ``|x|`` toward zero and one ulp up, take the upper with probability ``frac``.
 
-  ``down = |x|`` rounded toward zero in ``dtype``, ``up = nextafter(down, inf)``,
+  ``down = |x|`` rounded toward zero in ``dtype``, ``up`` the next value above it,
   ``frac = (|x| - down) / (up - down)`` (exact: ``up - down`` is a power of two),
   and the result is ``sign(x) * (up if u >= 1 - frac else down)`` for ``u`` uniform
   from ``bits``: probability ``frac`` exactly whenever ``frac`` is a multiple of
@@ -89,17 +89,23 @@ def _stochastic_round_generic(x: jax.Array, dtype: DTypeLike, bits: jax.Array) -
   normal, which fails below about 1e-31 (the bit trick has no such limit).
   """
   wide = x.dtype
-  magnitude = jnp.abs(saturate(x, dtype))
+  # Saturated once, and cast from there where x is not finite: a finite x past the range
+  # cast as it is would be an Inf (unused, but what jax_debug_infs stops at).
+  clamped = saturate(x, dtype)
+  magnitude = jnp.abs(clamped)
   nearest = magnitude.astype(dtype)
   down = jnp.where(nearest.astype(wide) > magnitude,
                    jax.lax.nextafter(nearest, jnp.zeros_like(nearest)), nearest)
-  up = jax.lax.nextafter(down, jnp.full_like(down, jnp.inf))
+  # Toward the largest finite value, not toward Inf: an Inf constant is what
+  # jax_debug_infs stops at. Where down is that value, up is too, and the gap is taken as
+  # 1 so that frac is 0 / 1 = 0 (magnitude is saturated): never up to Inf.
+  up = jax.lax.nextafter(down, jnp.full_like(down, jnp.finfo(dtype).max))
   down_wide = down.astype(wide)
-  frac = (magnitude - down_wide) / (up.astype(wide) - down_wide)
-  # Where down is the largest finite value, frac is 0 / inf = 0: never up to Inf.
+  gap = up.astype(wide) - down_wide
+  frac = (magnitude - down_wide) / jnp.where(gap > 0, gap, jnp.ones([], wide))
   rounded = jnp.where(_uniform(bits, wide) >= 1 - frac, up, down)
   signed = jnp.where(jnp.signbit(x), -rounded, rounded)
-  return jnp.where(jnp.isfinite(x), signed, x.astype(dtype))
+  return jnp.where(jnp.isfinite(x), signed, clamped.astype(dtype))
 
 
 _BF16_MAX_PATTERN = np.uint32(0x7F7F0000)  # the largest finite bfloat16, as float32 bits

@@ -49,6 +49,14 @@ GRADIENT_KEPT_UP_TO = 16384
 GRADIENT_NORM, LOSS = 0, 1
 STATISTIC_NAMES = {GRADIENT_NORM: "gradient norm", LOSS: "loss"}
 
+# What the history holds where a step had no loss: the lowest float32, which no loss is
+# taken to be. Not NaN: with jax_debug_nans on, JAX stops at any NaN a jitted step returns
+# or an eager one computes, so the state holds none (a 0.3.0 state's NaN reads as no loss).
+NO_LOSS = float(np.finfo(np.float32).min)
+# The limit of a statistic with fewer than two values in the history: no finite value is
+# above it.
+NO_LIMIT = float(np.finfo(np.float32).max)
+
 
 class SpikeHistory(NamedTuple):
   """The spike rule's state, inside a :class:`SkipNonfiniteState` (``spikes``).
@@ -56,7 +64,8 @@ class SpikeHistory(NamedTuple):
   Attributes:
     gradient_norms: a ring of the last ``spike_window`` applied steps' global gradient
       norms (float32); only the first ``length`` entries are filled.
-    losses: the same steps' losses (float32), NaN where ``update`` had no ``value``.
+    losses: the same steps' losses (float32); where ``update`` had no ``value``, the
+      lowest float32 (``numpy.finfo(numpy.float32).min``), which no loss is taken to be.
     length: how many entries of the ring are filled (int32, at most ``spike_window``).
     position: where the next entry goes (int32).
     consecutive_spikes: spike skips since the last applied step (int32).
@@ -64,13 +73,15 @@ class SpikeHistory(NamedTuple):
     last_spike_step: the guard's ``step`` at the last skipped spike, or -1 (int32).
     last_spike_statistic: 0 when that spike was the gradient norm's, 1 the loss's, or -1
       (int32).
-    last_spike_value: that statistic's value at the last skipped spike, or NaN (float32).
-    last_spike_limit: the limit it was above, or NaN (float32).
+    last_spike_value: that statistic's value at the last skipped spike, or 0 (float32).
+    last_spike_limit: the limit it was above, or 0 (float32).
     last_spike_leaf: the index, in the params' tree order, of the leaf whose gradient
       norm was largest at the last skipped spike, or -1 (int32).
-    last_spike_leaf_norm: that leaf's gradient norm, or NaN (float32).
+    last_spike_leaf_norm: that leaf's gradient norm, or 0 (float32).
 
-  Before any spike the ``last_spike_`` fields hold their "none" values, -1 and NaN.
+  Before any spike the ``last_spike_`` fields hold their "none" values: -1 in the integer
+  fields, 0 in the float ones (``last_spike_step`` of -1 says that none was seen). No
+  field is ever NaN, so that a run with ``jax_debug_nans`` on can return the state.
   """
 
   gradient_norms: jax.Array
@@ -107,11 +118,11 @@ def init_history(window: Any) -> SpikeHistory:
     return jnp.full([], value, jnp.int32)
 
   def statistic():
-    return jnp.full([], jnp.nan, jnp.float32)
+    return jnp.zeros([], jnp.float32)
 
   return SpikeHistory(
       gradient_norms=jnp.zeros([window], jnp.float32),
-      losses=jnp.full([window], jnp.nan, jnp.float32),
+      losses=jnp.full([window], NO_LOSS, jnp.float32),
       length=counter(0), position=counter(0), consecutive_spikes=counter(0),
       skipped_spikes=counter(0), last_spike_step=counter(-1), last_spike_statistic=counter(-1),
       last_spike_value=statistic(), last_spike_limit=statistic(), last_spike_leaf=counter(-1),
@@ -224,6 +235,16 @@ def check_value(value: Any) -> jax.Array | None:
   return jnp.reshape(jnp.asarray(value), ()).astype(jnp.float32)
 
 
+def _has_loss(losses: jax.Array) -> jax.Array:
+  """Where ``losses`` hold a loss: above :data:`NO_LOSS` (a 0.3.0 state's NaN is not)."""
+  return losses > NO_LOSS
+
+
+def _none_as_zero(statistic: jax.Array) -> jax.Array:
+  """A ``last_spike_`` statistic with a 0.3.0 state's NaN "none" read as today's 0."""
+  return jnp.where(jnp.isnan(statistic), jnp.zeros([], statistic.dtype), statistic)
+
+
 class Limit(NamedTuple):
   """One statistic's verdict: whether it is a spike, and the limit it was judged by."""
 
@@ -235,9 +256,9 @@ def spike_limit(values: jax.Array, filled: jax.Array, value: jax.Array,
                 threshold: jax.typing.ArrayLike, min_length: int) -> Limit:
   r"""Is ``value`` a spike against the ``filled`` entries of ``values``?
 
-  ``limit`` is :math:`\bar x + k \max(s, f |\bar x|)` over the filled entries (NaN
-  when fewer than two); ``spike`` needs at least ``min_length`` of them and a finite
-  ``value`` above the limit.
+  ``limit`` is :math:`\bar x + k \max(s, f |\bar x|)` over the filled entries
+  (:data:`NO_LIMIT` when fewer than two); ``spike`` needs at least ``min_length`` of them
+  and a finite ``value`` above the limit.
 
   >>> history = jnp.array([1.0, 1.1, 0.9, 1.0])
   >>> verdict = spike_limit(history, jnp.ones(4, bool), jnp.array(2.0), 6.0, 2)
@@ -246,11 +267,13 @@ def spike_limit(values: jax.Array, filled: jax.Array, value: jax.Array,
   """
   count = jnp.sum(filled.astype(jnp.float32))
   mean = jnp.sum(jnp.where(filled, values, 0.0)) / jnp.maximum(count, 1.0)
-  deviations = jnp.where(filled, values - mean, 0.0)
+  # The entries left out are replaced before the subtraction: a NO_LOSS entry minus a
+  # large mean would overflow to -Inf, which jax_debug_infs stops at even where unused.
+  deviations = jnp.where(filled, values, mean) - mean
   std = jnp.sqrt(jnp.sum(deviations * deviations) / jnp.maximum(count - 1.0, 1.0))
   std = jnp.maximum(std, RELATIVE_STD_FLOOR * jnp.abs(mean))
   limit = mean + jnp.asarray(threshold, jnp.float32) * std
-  limit = jnp.where(count >= 2, limit, jnp.nan)
+  limit = jnp.where(count >= 2, limit, NO_LIMIT)
   spike = jnp.isfinite(value) & (count >= min_length) & (value > limit)
   return Limit(spike, limit)
 
@@ -261,7 +284,7 @@ class SpikeVerdict(NamedTuple):
   Attributes:
     skip: skip this step as a spike (it is finite, a spike, and within the bound).
     restart: the step is a spike taken at the bound: the history restarts from it.
-    gradient_norm, loss: the step's statistics (the loss NaN when not given).
+    gradient_norm, loss: the step's statistics (the loss :data:`NO_LOSS` when not given).
     statistic: which statistic was the spike (``GRADIENT_NORM`` or ``LOSS``).
     value, limit: that statistic's value and limit.
     leaf, leaf_norm: the leaf with the largest gradient norm, and that norm.
@@ -352,20 +375,22 @@ def judge(history: SpikeHistory, sums: jax.Array, loss: jax.Array | None,
   window = window_of(history)
   has_leaves = sums.shape[0] > 0
   gradient_norm = jnp.sqrt(jnp.sum(sums))
-  loss = jnp.full([], jnp.nan, jnp.float32) if loss is None else loss
+  loss = jnp.full([], NO_LOSS, jnp.float32) if loss is None else loss
   filled = jnp.arange(window) < history.length
   by_norm = spike_limit(history.gradient_norms, filled, gradient_norm, threshold, window // 2)
-  by_loss = spike_limit(history.losses, filled & jnp.isfinite(history.losses), loss,
+  by_loss = spike_limit(history.losses, filled & _has_loss(history.losses), loss,
                         threshold, window // 2)
   # Finite gradients whose float32 sum of squares overflows (about 1.8e19 each, everywhere)
   # are above any finite limit: a spike once the rule judges, not a step it cannot see.
-  overflowed = jnp.isposinf(gradient_norm) & (history.length >= window // 2)
+  # (Compared with the largest float32, not with Inf: an Inf constant is what
+  # jax_debug_infs stops at.)
+  overflowed = (gradient_norm > NO_LIMIT) & (history.length >= window // 2)
   by_norm = by_norm._replace(spike=by_norm.spike | overflowed)
   spike = step_finite & (by_norm.spike | by_loss.spike)
   within_bound = history.consecutive_spikes < window // 2
   on_loss = by_loss.spike & ~by_norm.spike
   leaf = jnp.argmax(sums).astype(jnp.int32) if has_leaves else jnp.full([], -1, jnp.int32)
-  leaf_norm = jnp.sqrt(jnp.max(sums)) if has_leaves else jnp.full([], jnp.nan)
+  leaf_norm = jnp.sqrt(jnp.max(sums)) if has_leaves else jnp.zeros([], jnp.float32)
   return SpikeVerdict(
       skip=spike & within_bound,
       restart=spike & ~within_bound,
@@ -387,7 +412,7 @@ def record(history: SpikeHistory, verdict: SpikeVerdict, step_finite: jax.Array,
   applied = step_finite & ~verdict.skip
   appends = applied & jnp.isfinite(verdict.gradient_norm)
   position = jnp.where(verdict.restart, 0, history.position)
-  loss = jnp.where(jnp.isfinite(verdict.loss), verdict.loss, jnp.nan)
+  loss = jnp.where(jnp.isfinite(verdict.loss), verdict.loss, NO_LOSS)
 
   def write(ring, value):
     # A select, not dynamic_update_slice: that one refuses a ring and a value placed on
@@ -397,9 +422,12 @@ def record(history: SpikeHistory, verdict: SpikeVerdict, step_finite: jax.Array,
 
   length = jnp.where(verdict.restart, 1, jnp.minimum(history.length + 1, window))
   skip = verdict.skip
+  # A state of 0.3.0 marked "none" with NaN: written back with today's marks, so that a
+  # run resumed from it with jax_debug_nans on returns no NaN.
+  losses = jnp.where(_has_loss(history.losses), history.losses, NO_LOSS)
   return SpikeHistory(
       gradient_norms=write(history.gradient_norms, verdict.gradient_norm),
-      losses=write(history.losses, loss),
+      losses=write(losses, loss),
       length=jnp.where(appends, length, history.length),
       position=jnp.where(appends, (position + 1) % window, history.position),
       consecutive_spikes=jnp.where(skip, optax.safe_increment(history.consecutive_spikes),
@@ -408,8 +436,9 @@ def record(history: SpikeHistory, verdict: SpikeVerdict, step_finite: jax.Array,
                                history.skipped_spikes),
       last_spike_step=jnp.where(skip, step, history.last_spike_step),
       last_spike_statistic=jnp.where(skip, verdict.statistic, history.last_spike_statistic),
-      last_spike_value=jnp.where(skip, verdict.value, history.last_spike_value),
-      last_spike_limit=jnp.where(skip, verdict.limit, history.last_spike_limit),
+      last_spike_value=jnp.where(skip, verdict.value, _none_as_zero(history.last_spike_value)),
+      last_spike_limit=jnp.where(skip, verdict.limit, _none_as_zero(history.last_spike_limit)),
       last_spike_leaf=jnp.where(skip, verdict.leaf, history.last_spike_leaf),
-      last_spike_leaf_norm=jnp.where(skip, verdict.leaf_norm, history.last_spike_leaf_norm),
+      last_spike_leaf_norm=jnp.where(skip, verdict.leaf_norm,
+                                     _none_as_zero(history.last_spike_leaf_norm)),
   )
