@@ -192,12 +192,15 @@ def test_a_spike_history_marked_by_0_3_0_steps_as_todays_and_is_written_back_wit
     _, state = update(grads[step], state, params, **extra)
   old = _state_marked_as_0_3_0(state)
   assert not tree_all_finite(old)
+  # An ordinary step (the marks kept), then a spike (the last spike's figures written).
   spike = jax.tree.map(lambda g: g * 100, grads[3])
-  expected = update(spike, state, params, value=jnp.float32(1.0))
-  with jax.debug_nans(True):
-    resumed = update(spike, old, params, value=jnp.float32(1.0))
-  assert int(resumed[1].spikes.skipped_spikes) == 1
-  assert_trees_bitwise_equal(resumed, expected)
+  for grads_now, skipped_spikes in ((grads[3], 0), (spike, 1)):
+    expected = update(grads_now, state, params, value=jnp.float32(1.0))
+    with jax.debug_nans(True):
+      resumed = update(grads_now, old, params, value=jnp.float32(1.0))
+    assert int(resumed[1].spikes.skipped_spikes) == skipped_spikes
+    assert_trees_bitwise_equal(resumed, expected)
+    state, old = expected[1], resumed[1]
 
 
 def test_a_skipped_nan_gradient_does_not_stop_a_jitted_step_and_stops_an_eager_one():
