@@ -1,4 +1,4 @@
-"""Runs with ``jax_debug_nans`` or ``jax_debug_infs`` on: a finite step never stops them.
+"""Runs with JAX's debugging flags on: a finite step never stops them, nor any trace.
 
 JAX's debug flags stop a program at the first NaN (or Inf) that an eager operation computes
 or a jitted function returns: the way a user finds where a NaN comes from. A step on finite
@@ -9,10 +9,16 @@ comparisons were made against an Inf constant, which ``jax_debug_infs`` stops at
 mode: the spike rule's overflow check, float16 stochastic rounding's next value up, and
 ``presets.t5x``'s injected global clip of 0.
 
-What the guard skips is another matter: under ``jax.jit`` the flags read the step's outputs,
-and a skipped step's outputs hold no NaN, so they do not stop at a NaN gradient the guard
-skipped (``osf.nonfinite_report`` names its leaf); eager, they stop where the gradient is
-first read, as at any NaN.
+``jax_check_tracer_leaks`` (``jax.checking_leaks()``) stops a trace that leaves a tracer
+referenced after it ends. The GPU form of an unfactored leaf's second half closed over the
+leaf's traced floor and cap and over ``eps``, so every guarded step with an unfactored leaf
+stopped under it; and a traced ``eps`` (``optax.inject_hyperparams``) escaped its trace when
+compiled for a GPU (tests/test_accelerators.py::test_injected_hyperparameters_compile).
+
+What the guard skips is another matter: under ``jax.jit`` the NaN and Inf flags read the
+step's outputs, and a skipped step's outputs hold no NaN, so they do not stop at a NaN
+gradient the guard skipped (``osf.nonfinite_report`` names its leaf); eager, they stop where
+the gradient is first read, as at any NaN.
 """
 
 import jax
@@ -213,3 +219,41 @@ def test_a_skipped_nan_gradient_does_not_stop_a_jitted_step_and_stops_an_eager_o
     assert int(osf.skipped_steps(state)) == 1 and tree_all_finite(updates)
     with pytest.raises(FloatingPointError):
       tx.update(poisoned, state, params)
+
+
+def _traced_configurations():
+  static = ("min_dim_size_to_factor", "decay_offset", "spike_window", "rounding_seed",
+            "param_rounding")
+  injected = optax.inject_hyperparams(osf.safefactor, static_args=static)
+  return {
+      "safefactor": osf.safefactor(1e-2),
+      "unfactored, weight decay": osf.safefactor(1e-2, factored=False, weight_decay_rate=1e-3),
+      "unpacked, momentum, spikes": osf.safefactor(1e-2, pack_small_leaves=False, momentum=0.9,
+                                                   skip_spikes=6.0, spike_window=4),
+      "stochastic": osf.safefactor(1e-2, param_rounding="stochastic", momentum=0.9,
+                                   dtype_momentum="bfloat16"),
+      "kahan, max_consecutive_skips": osf.safefactor(1e-2, param_rounding="kahan",
+                                                     max_consecutive_skips=3),
+      "inject_hyperparams": injected(learning_rate=1e-2, momentum=0.9, eps=1e-30,
+                                     weight_decay_rate=1e-3),
+      "inject_hyperparams, spikes, stochastic": injected(
+          learning_rate=1e-2, skip_spikes=6.0, spike_window=4, param_rounding="stochastic"),
+      "accumulate_gradients": osf.accumulate_gradients(osf.safefactor(1e-2), every_k=2),
+      "presets.t5x": osf.presets.t5x(1e-2, beta1=0.9),
+      "skip_nonfinite(optax.sgd)": osf.skip_nonfinite(optax.sgd(1e-2), skip_spikes=6.0,
+                                                      spike_window=4, max_consecutive=3),
+      "with_param_rounding(optax.sgd)": osf.with_param_rounding(optax.sgd(1e-2), "stochastic"),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(_traced_configurations()))
+def test_no_tracer_outlives_its_trace_under_jax_checking_leaks(name):
+  tx = _traced_configurations()[name]
+  params = {"w": jnp.ones((160, 130), jnp.bfloat16), "b": jnp.zeros((7,), jnp.bfloat16),
+            "u": jnp.ones((3000,), jnp.bfloat16), "f": jnp.ones((4, 3), jnp.bfloat16)}
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.1), params)
+  with jax.checking_leaks(), jax.numpy_dtype_promotion("standard"):
+    state = jax.jit(tx.init)(params)
+    updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0)))(
+        grads, state, params)
+  assert tree_all_finite((updates, state))

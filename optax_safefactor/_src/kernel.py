@@ -469,12 +469,12 @@ def leaf_update(
       and not (leaf.rounding and leaf.rounding.stochastic and is_narrow(moment.v.dtype))):
     # An unfactored leaf's statistic and factor are full-size: computed again where a
     # compiler would keep them across the verdict (with NaN carried, not a flag to compute).
-    def again(grad, v, beta2, complement, floor):
-      (new,), _ = update_second_moment(grad, FullMoment(v), leaf.plan,
-                                       Decay(beta2, complement), hp.eps, ct)
-      return [new, *scale_factors(FullMoment(new), leaf.plan, floor, None, poison=True)[0].factors]
-    grad, old, new_v, factor = xla_hints.computed_again(
-        again, [grad, moment.v], [*step.decay[leaf.real_dtype], leaf.floor],
+    plan = leaf.plan  # (static values only in the closure: a traced eps escaped its trace)
+    def again(grad, v, beta2, complement, floor, eps):
+      (new,), _ = update_second_moment(grad, FullMoment(v), plan, Decay(beta2, complement), eps, ct)
+      return [new, *scale_factors(FullMoment(new), plan, floor, None, poison=True)[0].factors]
+    grad, old, new_v, factor = xla_hints.computed_again(again, [grad, moment.v], [
+        *step.decay[leaf.real_dtype], leaf.floor, jnp.asarray(hp.eps, leaf.real_dtype)],
         [new_moment.v, factors.factors[0]])
     moment, new_moment, factors = FullMoment(old), FullMoment(new_v), ScaleFactors((factor,), None)
   update = scale_by_factors(grad.astype(ct), factors)
