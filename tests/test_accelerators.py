@@ -265,15 +265,16 @@ def test_accumulation_compiles(target):
   assert passes >= 3.0
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_injected_hyperparameters_compile(target, packed):
+@pytest.mark.parametrize("options", [{}, {"pack_small_leaves": False},
+                                     {"skip_nonfinite_steps": False}],
+                         ids=["packed", "unpacked", "guard off"])
+def test_injected_hyperparameters_compile(target, options):
   # optax.inject_hyperparams(osf.safefactor): the GPU form of an unfactored leaf's second
   # half (xla_hints.computed_again) closed over the traced eps, which escaped its trace:
   # "No constant handler for type DynamicJaxprTracer" when compiling for a GPU. The CPU's
   # and the TPU's forms never read it.
   tx = optax.inject_hyperparams(osf.safefactor, static_args=("min_dim_size_to_factor",))(
-      learning_rate=1e-3, momentum=0.9, eps=1e-30, weight_decay_rate=1e-4,
-      pack_small_leaves=packed)
+      learning_rate=1e-3, momentum=0.9, eps=1e-30, weight_decay_rate=1e-4, **options)
   passes, _ = _passes(target, tx, _small_tree("bfloat16"))
   assert passes >= 3.0
 

@@ -228,6 +228,7 @@ def _traced_configurations():
   return {
       "safefactor": osf.safefactor(1e-2),
       "unfactored, weight decay": osf.safefactor(1e-2, factored=False, weight_decay_rate=1e-3),
+      "guard off, momentum": osf.safefactor(1e-2, skip_nonfinite_steps=False, momentum=0.9),
       "unpacked, momentum, spikes": osf.safefactor(1e-2, pack_small_leaves=False, momentum=0.9,
                                                    skip_spikes=6.0, spike_window=4),
       "stochastic": osf.safefactor(1e-2, param_rounding="stochastic", momentum=0.9,
