@@ -326,6 +326,17 @@ def test_float16_subnormal_targets_are_rounded_without_bias():
     np.testing.assert_equal(np.mean(rounded), x)
 
 
+def test_bfloat16_targets_just_above_the_smallest_normal_keep_their_probability():
+  # The bit trick rounds on the float32 pattern and needs no float32 difference below the
+  # value: rounded by the generic method, |x| - down is a float32 subnormal there (a
+  # fraction of a bfloat16 ulp of 2**-133), flushed inside jit, and every draw went down.
+  bits = _every_top_half()
+  for x in (2.0**-126 + 0.25 * 2.0**-133, -(2.0**-120 + 0.75 * 2.0**-127)):
+    rounded = _f64(jax.jit(stochastic_round, static_argnums=1)(
+        jnp.full(bits.shape, x, jnp.float32), jnp.bfloat16, bits))
+    np.testing.assert_equal(np.mean(rounded), x)
+
+
 def test_bfloat16_subnormal_targets_are_flushed_inside_jit():
   # XLA flushes float32 subnormals inside jit on CPU: a param at zero cannot reach a
   # bfloat16 subnormal, but the result is zero (never garbage or non-finite).

@@ -247,6 +247,20 @@ def test_a_loss_spike_is_skipped_with_value():
   assert not any(skipped)
 
 
+@pytest.mark.parametrize("subject", sorted(SUBJECTS))
+def test_a_loss_spike_of_a_tree_without_leaves_names_no_leaf(subject):
+  # The gradient norm of no leaves is 0, and the loss alone spikes: the state's leaf field
+  # keeps its "none", -1, as SpikeHistory documents, and the report names no parameter.
+  tx = SUBJECTS[subject](skip_spikes=6.0, spike_window=4)
+  state, update = tx.init({}), jax.jit(tx.update)
+  for loss in (1.0, 1.01, 0.99, 1.0, 5.0):
+    _, state = update({}, state, {}, value=jnp.float32(loss))
+  assert int(state.spikes.skipped_spikes) == 1 and int(state.spikes.last_spike_leaf) == -1
+  report = osf.nonfinite_report(state)
+  assert report["last_spike_loss"] == 5.0
+  assert not any(key.startswith("last_spike_largest_gradient") for key in report)
+
+
 def test_nonfinite_steps_and_spikes_are_counted_apart():
   scales = _scales(23, seed=11, spikes=[(20, 50.0), (22, 50.0)])
   grads = _grads(scales)
