@@ -62,43 +62,49 @@ def test_accumulate_counts_optimizer_steps(tmp_path):
   assert "| 0 / 2 |" in safe  # two optimizer steps of four micro-batches each
 
 
+def _usage_error(argv, capsys) -> str:
+  """The last line ``argv`` prints to stderr as the usage error (status 2) it must be.
+
+  In this process: the command line's own status and stream are checked, in a fresh
+  interpreter, by test_bad_flag_is_a_usage_error."""
+  with pytest.raises(SystemExit) as exit_info:
+    demo.parse_args(argv)
+  assert exit_info.value.code == 2
+  return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("k", ["0", "3", "-4"])
-def test_accumulate_must_divide_the_batch(tmp_path, k):
-  result = _run("--accumulate", k, cwd=tmp_path)
-  assert result.returncode == 2
-  assert "--accumulate must be a positive divisor of the batch size 16" in result.stderr
+def test_accumulate_must_divide_the_batch(k, capsys):
+  assert _usage_error(["--accumulate", k], capsys).endswith(
+      "error: --accumulate must be a positive divisor of the batch size 16")
 
 
-def test_write_back_comparison(tmp_path):
+def test_write_back_and_spike_comparisons(tmp_path):
+  # Both comparisons in one run (each alone repeats the dtype runs and JAX's start-up).
+  # The spike's: two steps past it, safefactor skips it (the history holds 100 steps by
+  # then) and optax.adafactor steps on it; the table and the plot's last panel show both.
+  spike_steps = demo.SPIKE_AT + 2
   result = _run("--steps", "2", "--dtype", "bfloat16", "--rounding-steps", "3",
-                "--spike-steps", "0", "--out", str(tmp_path / "out"), cwd=tmp_path)
+                "--spike-steps", str(spike_steps), "--out", str(tmp_path / "out"), cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
-  rows = [line for line in result.stdout.splitlines() if "| 0.001 |" in line]
-  assert [row.split(" | ")[:3] for row in rows] == [
+  rows = [line.split(" | ") for line in result.stdout.splitlines() if "| 0.001 |" in line]
+  write_back, spike = rows[:5], rows[5:]
+  assert [row[:3] for row in write_back] == [
       ["| safefactor", "float32", "nearest"], ["| safefactor", "bfloat16", "nearest"],
       ["| safefactor", "bfloat16", "stochastic"], ["| safefactor", "bfloat16", "kahan"],
       ["| optax.adafactor", "bfloat16", "nearest"]]
-  assert all("| 0 / 3 |" in row and "nan" not in row for row in rows)
+  assert all(row[6] == "0 / 3" and "nan" not in " | ".join(row) for row in write_back)
+  assert [(row[0], row[1], row[7]) for row in spike] == [
+      ("| optax.adafactor", "float32", "n/a"), ("| safefactor (skip_spikes=6)", "float32", "1")]
+  assert all(row[6] == f"0 / {spike_steps}" for row in spike)
+  assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_rounding_steps_is_zero_or_at_least_two(tmp_path):
-  result = _run("--rounding-steps", "1", cwd=tmp_path)
-  assert result.returncode == 2 and "--rounding-steps must be 0 or at least 2" in result.stderr
-  result = _run("--spike-steps", "1", cwd=tmp_path)
-  assert result.returncode == 2 and "--spike-steps must be 0 or at least 2" in result.stderr
-
-
-def test_spike_comparison_skips_the_spike_and_counts_it(tmp_path):
-  # Two steps past the spike: safefactor skips it (the history holds 100 steps by then),
-  # optax.adafactor steps on it; the table and the plot's last panel show both.
-  steps = demo.SPIKE_AT + 2
-  result = _run("--steps", "2", "--dtype", "bfloat16", "--rounding-steps", "0",
-                "--spike-steps", str(steps), "--out", str(tmp_path / "out"), cwd=tmp_path)
-  assert result.returncode == 0, result.stderr[-3000:]
-  rows = [line.split(" | ") for line in result.stdout.splitlines() if "| float32 |" in line]
-  assert [(row[0], row[3], row[7]) for row in rows] == [
-      ("| optax.adafactor", "0.001", "n/a"), ("| safefactor (skip_spikes=6)", "0.001", "1")]
-  assert all(row[6] == f"0 / {steps}" for row in rows)
+def test_rounding_steps_is_zero_or_at_least_two(capsys):
+  assert _usage_error(["--rounding-steps", "1"], capsys).endswith(
+      "error: --rounding-steps must be 0 or at least 2")
+  assert _usage_error(["--spike-steps", "1"], capsys).endswith(
+      "error: --spike-steps must be 0 or at least 2")
 
 
 @pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999999"])
