@@ -63,7 +63,7 @@ def _problem(seed, dtype, log_magnitude=0.0, zero_fraction=0.0):
   return tree(1.0), [tree(10.0**log_magnitude) for _ in range(STEPS)]
 
 
-@settings(max_examples=20)
+@settings(max_examples=15)
 @given(
     dtype=st.sampled_from(sorted(DTYPES)),
     momentum=st.sampled_from([None, 0.9]),

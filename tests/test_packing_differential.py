@@ -340,7 +340,7 @@ def _examples(count: int):
                   suppress_health_check=[HealthCheck.too_slow])
 
 
-@_examples(6)
+@_examples(4)
 @given(config=_configuration(reductions=False))
 def test_without_reductions_packing_keeps_every_bit_but_the_blends(config):
   with pytest.MonkeyPatch.context() as patch:
@@ -350,7 +350,7 @@ def test_without_reductions_packing_keeps_every_bit_but_the_blends(config):
     _check_packed_against_alone(config, reduced=False)
 
 
-@_examples(6)
+@_examples(4)
 @given(config=_configuration(reductions=True))
 def test_with_reductions_packing_changes_only_their_last_bits(config):
   with pytest.MonkeyPatch.context() as patch:

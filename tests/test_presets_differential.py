@@ -53,7 +53,7 @@ def _problem(seed: int, shapes=SHAPES):
 
 
 # Hypothesis tries the first of each list first: the values that tell a wrong mapping.
-@settings(max_examples=10)
+@settings(max_examples=7)
 @given(epsilon2=st.sampled_from([0.2, 1e-2, 1e-3]), epsilon1=st.sampled_from([1e-30, 1e-20]),
        beta1=st.sampled_from([None, 0.9]), weight_decay_rate=st.sampled_from([None, 1e-3]),
        clipping_threshold=st.sampled_from([None, 1.0, 2.0]),
@@ -103,7 +103,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
   return flat
 
 
-@settings(max_examples=10)
+@settings(max_examples=7)
 @given(wd=st.sampled_from([1e-3, 1e-2]), min_dim_size_to_factor=st.sampled_from([4, 32]),
        decay_rate=st.sampled_from([0.8, 0.6]), beta2_cap=st.sampled_from([0.999, 0.9]),
        clipping_threshold=st.sampled_from([None, 1.0]), momentum=st.sampled_from([None, 0.9]),
@@ -147,7 +147,7 @@ def test_big_vision_decays_by_its_default_rule(scheduled, seed, **kwargs):
 # transformers and torch ------------------------------------------------------------------
 
 
-@settings(max_examples=10)
+@settings(max_examples=7)
 @given(eps1=st.sampled_from([1e-30, 1e-20]), eps2=st.sampled_from([0.2, 1e-2, 1e-3]),
        clip_threshold=st.sampled_from([1.0, 2.0]), decay_rate=st.sampled_from([-0.8, -0.5]),
        beta1=st.sampled_from([None, 0.9]), weight_decay=st.sampled_from([0.3, 0.01, 0.0]),
@@ -166,7 +166,7 @@ def test_transformers_follows_hf_near_zero_params(eps1, eps2, relative_step, war
   assert _largest_difference(ours, theirs) <= BOUND[np.float32]
 
 
-@settings(max_examples=10)
+@settings(max_examples=7)
 @given(lr=st.sampled_from([1e-2, 0.3]), beta2_decay=st.sampled_from([-0.8, -0.5]),
        eps1=st.sampled_from([None, 1e-10]), eps2=st.sampled_from([0.2, 1e-2, 1e-3]),
        d=st.sampled_from([1.0, 3.0]), weight_decay=st.sampled_from([0.3, 0.05, 0.0]),
@@ -203,7 +203,7 @@ def _spike_run(update, state, grads, healthy: int, factor: float):
   return state
 
 
-@settings(max_examples=10)
+@settings(max_examples=7)
 @given(preset=st.sampled_from(sorted(GUARDED_PRESETS)), spike_window=st.sampled_from([4, 6, 8]),
        skip_spikes=st.sampled_from([2.0, 5.0]), max_consecutive_skips=st.sampled_from([2, 3]))
 def test_guard_arguments_reach_the_guard(preset, spike_window, skip_spikes,

@@ -115,7 +115,7 @@ def test_bool_params_are_refused():
     osf.safefactor(0.1).init({"w": jnp.ones(3), "mask": jnp.ones(3, bool)})
 
 
-@settings(max_examples=20)
+@settings(max_examples=15)
 @given(
     shape=st.lists(st.sampled_from([1, 3, 8, 17]), min_size=1, max_size=3),
     dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
