@@ -147,6 +147,9 @@ def test_big_vision_decays_by_its_default_rule(scheduled, seed, **kwargs):
 # transformers and torch ------------------------------------------------------------------
 
 
+# The preset warns of an eps[1] other than HF's default without scale_parameter (it has no
+# effect there, in HF's code too): expected here, where both run with it.
+@pytest.mark.filterwarnings("ignore:presets.transformers... eps.1.=.* has no effect:UserWarning")
 @settings(max_examples=7)
 @given(eps1=st.sampled_from([1e-30, 1e-20]), eps2=st.sampled_from([0.2, 1e-2, 1e-3]),
        clip_threshold=st.sampled_from([1.0, 2.0]), decay_rate=st.sampled_from([-0.8, -0.5]),
