@@ -110,11 +110,7 @@ def test_rounding_steps_is_zero_or_at_least_two(capsys):
 @pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999999"])
 def test_seed_outside_what_jax_and_numpy_take_is_a_usage_error(seed, capsys):
   # Once a ValueError from numpy and an OverflowError from jax, after the first run began.
-  with pytest.raises(SystemExit) as exit_info:
-    demo.parse_args(["--steps", "2", "--seed", seed])
-  assert exit_info.value.code == 2
-  error = capsys.readouterr().err.strip().splitlines()[-1]
-  assert error == (
+  assert _usage_error(["--steps", "2", "--seed", seed], capsys) == (
       f"python -m optax_safefactor: error: --seed must be from 0 to 4294967295, not {seed}")
   assert demo.parse_args(["--seed", "4294967295"]).seed == 4294967295
   assert "from 0 to 4294967295" in " ".join(demo.build_parser().format_help().split())
