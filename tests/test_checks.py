@@ -436,6 +436,35 @@ def test_an_accumulation_state_given_to_the_optimizer_it_wraps_says_so():
     osf.safefactor(0.1).update(params, state, params)
 
 
+@pytest.mark.parametrize("wrap,where,part", [
+    pytest.param(lambda tx: optax.chain(optax.clip_by_global_norm(1.0), tx), "opt_state[1]",
+                 lambda state: state[1], id="chain"),
+    pytest.param(lambda tx: optax.MultiSteps(tx, 2), "opt_state.inner_opt_state",
+                 lambda state: state.inner_opt_state, id="MultiSteps"),
+    pytest.param(lambda tx: optax.inject_hyperparams(lambda learning_rate: tx)(learning_rate=0.1),
+                 "opt_state.inner_state", lambda state: state.inner_state,
+                 id="inject_hyperparams"),
+    pytest.param(lambda tx: optax.chain(optax.chain(tx)), "opt_state[0][0]",
+                 lambda state: state[0][0], id="chain-in-chain"),
+])
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_a_wrappers_state_given_to_the_optimizer_it_wraps_names_the_part_to_pass(
+    wrap, where, part, guarded):
+  # A linen TrainState's opt_state of tx=optax.chain(clip, safefactor), handed to the
+  # safefactor alone, was named only by its type: "got a tuple".
+  params = _params()
+  tx = osf.safefactor(0.1, skip_nonfinite_steps=guarded)
+  state = wrap(tx).init(params)
+  kind = "SkipNonfiniteState" if guarded else "AdafactorState"
+  with pytest.raises(TypeError, match=re.escape(
+      f"it holds this optimizer's {kind} at {where}: it is the state of a transformation "
+      f"around this optimizer. Pass it to that transformation's update, or only {where} to "
+      "this optimizer's") + "$"):
+    tx.update(params, state, params)
+  updates, _ = tx.update(params, part(state), params)  # the part it names is the one to pass
+  assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 

@@ -62,6 +62,12 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
     hint = (f"; {_MADE_BY[kind]}: the state was made by an optimizer of another "
             "configuration. Make the state with this optimizer's init, or build this "
             "optimizer with the settings of the one whose init made it")
+  elif (held := _held_at(state, expected)) is not None:
+    # optax.chain's tuple, optax.MultiSteps' or optax.inject_hyperparams' state: a
+    # transformation around this one made it, and its update is the one to call.
+    hint = (f"; it holds this optimizer's {expected.__name__} at opt_state{held}: it is the "
+            f"state of a transformation around this optimizer. Pass it to that "
+            f"transformation's update, or only opt_state{held} to this optimizer's")
   elif wrapper is not None:
     # Checked before the optax.adafactor hint: the inner transformation's state may
     # well hold one, and migrate_from_optax does not make a wrapper's state.
@@ -90,6 +96,18 @@ _MADE_BY = {
 def with_article(noun: str) -> str:
   """``noun`` with its indefinite article: an AdafactorState, a SkipNonfiniteState."""
   return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _held_at(state: Any, expected: type) -> str | None:
+  """Where ``state`` holds an ``expected`` state (``"[1]"``, ``".inner_state"``), if it does."""
+  def is_expected(node):
+    return isinstance(node, expected)
+
+  try:
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_expected)[0]
+  except Exception:  # a state jax cannot flatten holds nothing it could step
+    return None
+  return next((jax.tree_util.keystr(path) for path, node in flat if is_expected(node)), None)
 
 
 def _shaped_like(state: Any, grads: Any) -> bool:
