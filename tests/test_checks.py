@@ -620,6 +620,19 @@ def test_an_optimizer_state_given_for_the_params_or_the_grads_is_named(name):
     tx.update(params, state, state)
 
 
+@pytest.mark.parametrize("name", [name for name in TRANSFORMATIONS
+                                  if name != "scale_by_safe_factored_rms"])  # optax.chain's init
+def test_init_given_the_grads_too_names_the_call_to_fix(name):
+  # Python's message named an inner function: "adafactor.<locals>.init_fn() takes 1
+  # positional argument but 2 were given".
+  params = _params()
+  tx = TRANSFORMATIONS[name].build()
+  with pytest.raises(TypeError, match=re.escape(
+      "init takes the params only, opt_state = optimizer.init(params); it got 2 arguments "
+      "(the gradients go to update(grads, opt_state, params))")):
+    tx.init(params, params)
+
+
 def test_a_state_compared_outside_update_is_not_told_to_call_update():
   # migrate_from_optax compares its params with the optax statistics: "call update(grads,
   # opt_state, params)" would be no advice there.

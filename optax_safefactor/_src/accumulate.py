@@ -169,7 +169,8 @@ def accumulate_gradients(
       raise ValueError(f"every_k must be at most 2**31 - 1 (an int32 count), got {every_k!r}")
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
+  def init_fn(params, *misplaced):
+    checks.check_init_arguments(misplaced)
     params = placement.numpy_as_jax(params)
     # A mask inside (accumulate_gradients(optax.masked(...))) still hands every leaf to
     # the accumulator: the mask goes around it.

@@ -69,6 +69,21 @@ def check_not_a_state(params: Any) -> None:
                     "optimizer.init(params)")
 
 
+def check_init_arguments(misplaced: tuple) -> None:
+  """``init`` takes the params alone: ``tx.init(grads, params)`` is refused naming the call
+  to fix (Python's message named an inner ``adafactor.<locals>.init_fn``).
+
+  >>> check_init_arguments(())
+  >>> check_init_arguments((jnp.ones(2),))
+  Traceback (most recent call last):
+  TypeError: init takes the params only, opt_state = optimizer.init(params); it got 2 ...
+  """
+  if misplaced:
+    raise TypeError(f"init takes the params only, opt_state = optimizer.init(params); it got "
+                    f"{1 + len(misplaced)} arguments (the gradients go to "
+                    "update(grads, opt_state, params))")
+
+
 def check_not_linen_variables(params: Any) -> None:
   """A linen model's whole ``variables`` (``{"params": ..., "batch_stats": ...}``) is refused.
 

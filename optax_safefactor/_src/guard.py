@@ -428,7 +428,8 @@ def skip_nonfinite(
               "None never raises)")
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
+  def init_fn(params, *misplaced):
+    checks.check_init_arguments(misplaced)
     params = placement.numpy_as_jax(params)
     # Any dtype: skip_nonfinite wraps any transformation, which decides about integer leaves.
     checks.check_init_params(params, any_dtype=True)

@@ -168,7 +168,8 @@ def with_param_rounding(
   inner = optax.with_extra_args_support(inner)
   keeps_compensation = write_back.keeps_compensation(mode)
 
-  def init_fn(params):
+  def init_fn(params, *misplaced):
+    checks.check_init_arguments(misplaced)
     params = placement.numpy_as_jax(params)
     # Any dtype: inner decides about integer leaves; the rounding skips them.
     checks.check_init_params(params, any_dtype=True)

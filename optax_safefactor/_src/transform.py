@@ -106,7 +106,8 @@ def adafactor(hp: Hyperparams) -> optax.GradientTransformationExtraArgs:
       (hp.clipping_threshold is not None, hp.multiply_by_parameter_scale,
        hp.skip_spikes is not None)))
 
-  def init_fn(params):
+  def init_fn(params, *misplaced):
+    checks.check_init_arguments(misplaced)
     _check_64_bit_state(hp)
     checks.check_not_a_state(params)
     checks.check_not_linen_variables(params)
