@@ -387,6 +387,25 @@ def test_a_kahan_state_made_for_wider_params_names_the_param(make):
     tx.update(wide, tx.init(narrow), wide)
 
 
+@pytest.mark.parametrize("cast_to", ["float32", "float16"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["safefactor", "with_param_rounding"])
+def test_a_compensation_cast_to_another_dtype_is_named(wrapped, cast_to):
+  # A state cast whole (to float32 for a checkpoint, say) keeps a wider compensation than
+  # the bfloat16 param it compensates; a float16 one a narrower range.
+  params = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.ones((3,))}
+  tx = (osf.with_param_rounding(optax.sgd(0.1), "kahan") if wrapped
+        else osf.safefactor(0.1, param_rounding="kahan"))
+  state = tx.init(params)
+  holder = state if wrapped else state.inner_state
+  cast = holder._replace(compensation={"w": holder.compensation["w"].astype(cast_to), "b": None})
+  state = cast if wrapped else state._replace(inner_state=cast)
+  with pytest.raises(TypeError, match=re.escape(
+      f"params['w']: the Kahan compensation in the optimizer state is {cast_to}, but it is "
+      "kept in the param's dtype, bfloat16: make the state with this optimizer's init for "
+      "these params, and do not cast the optimizer state")):
+    tx.update(params, state, params)
+
+
 @pytest.mark.parametrize("made,used", [("nearest", "kahan"), ("kahan", "nearest")])
 def test_with_param_rounding_refuses_a_state_of_another_mode(made, used):
   params = _bf16_params()

@@ -139,6 +139,12 @@ def test_skip_nonfinite_names_an_optax_adafactor_state_as_a_wrapped_state():
 # --- construction: not a transformation -----------------------------------------------------
 
 
+class _Factories:
+  @staticmethod
+  def adamw(learning_rate):
+    return optax.adamw(learning_rate)
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda: osf.skip_nonfinite(optax.sgd),
      r"skip_nonfinite: inner must be an optax GradientTransformation.*got the function "
@@ -157,7 +163,11 @@ def test_skip_nonfinite_names_an_optax_adafactor_state_as_a_wrapped_state():
     (lambda: osf.skip_nonfinite(list(range(1000))),
      r"got a list \(\[0, 1, 2, 3, 4, 5, \.\.\.\]\)$"),
     (lambda: osf.skip_nonfinite(3), r"got an int \(3\)$"),
-], ids=["factory", "safefactor_factory", "number", "class", "params", "long", "int"])
+    # A user's factory is named where it is defined: a bare "adamw" would read as optax's.
+    (lambda: osf.skip_nonfinite(_Factories.adamw),
+     r"got the function _Factories\.adamw; call it: _Factories\.adamw\(learning_rate\)$"),
+], ids=["factory", "safefactor_factory", "number", "class", "params", "long", "int",
+        "users_factory"])
 def test_wrappers_refuse_what_is_not_a_transformation_at_construction(build, message):
   with pytest.raises(TypeError, match=message):
     build()
