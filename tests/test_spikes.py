@@ -5,6 +5,7 @@ docstring in float64 over the recorded statistics; the tests compare the exact p
 skipped steps, the counters and the runs' bits.
 """
 
+import re
 import warnings
 
 import jax
@@ -384,10 +385,10 @@ def test_the_threshold_is_injectable_without_a_recompile():
     (dict(skip_spikes=float("nan")), ValueError, "skip_spikes must be a positive number"),
     (dict(skip_spikes=-6.0), ValueError, "skip_spikes must be a positive number"),
     (dict(skip_spikes="6"), TypeError, "skip_spikes must be a number"),
-    (dict(skip_spikes=6.0, spike_window=1), ValueError, "spike_window must be an int of at "
-                                                        "least 2"),
-    (dict(skip_spikes=6.0, spike_window=12.5), ValueError, "spike_window must be a positive "
-                                                           "int"),
+    # One message for every window refused: 0 was told "a positive int", and then 1 refused.
+    *[(dict(skip_spikes=6.0, spike_window=window), ValueError,
+       rf"^spike_window must be an int of at least 2, got {re.escape(repr(window))} \(the steps")
+      for window in (0, 1, -3, 12.5, True)],
     (dict(skip_spikes=6.0, skip_nonfinite_steps=False), ValueError,
      "skip_spikes .* needs skip_nonfinite_steps=True"),
 ])

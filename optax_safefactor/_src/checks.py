@@ -70,8 +70,7 @@ def check_not_a_state(params: Any) -> None:
 
 
 def check_init_arguments(misplaced: tuple) -> None:
-  """``init`` takes the params alone: ``tx.init(grads, params)`` is refused naming the call
-  to fix (Python's message named an inner ``adafactor.<locals>.init_fn``).
+  """``tx.init(grads, params)`` is refused naming the call to fix, not an inner ``init_fn``.
 
   >>> check_init_arguments(())
   >>> check_init_arguments((jnp.ones(2),))
@@ -444,16 +443,16 @@ def check_switch(value: Any, name: str) -> None:
     raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def check_positive_int(value: Any, name: str, *, none_ok: bool = False, meaning: str = "") -> None:
-  """``value`` must be an int of at least 1 (or ``None`` when ``none_ok``): else ``ValueError``.
+def check_positive_int(value: Any, name: str, *, none_ok: bool = False, meaning: str = "",
+                       minimum: int = 1) -> None:
+  """``value`` must be an int of at least ``minimum`` (or ``None`` when ``none_ok``): else
+  ``ValueError``, which names the least value taken whatever was wrong.
 
   Bools and floats are refused: ``True`` or ``2.5`` steps is a mistake, not a count. A
-  traced value cannot be judged and passes. ``meaning`` ends the message, saying what
-  the number is for.
+  traced value passes. ``meaning`` ends the message, saying what the number is for.
 
   >>> check_positive_int(0, "max_consecutive", meaning=" (a count of steps)")
   Traceback (most recent call last):
-  ...
   ValueError: max_consecutive must be a positive int, got 0 (a count of steps)
   """
   if (value is None and none_ok) or isinstance(value, jax.core.Tracer):
@@ -461,8 +460,9 @@ def check_positive_int(value: Any, name: str, *, none_ok: bool = False, meaning:
   integral = ((isinstance(value, (int, np.integer)) and not isinstance(value, bool))
               or (hasattr(value, "dtype") and np.ndim(value) == 0
                   and jnp.issubdtype(value.dtype, jnp.integer)))
-  if not integral or value < 1:
-    allowed = "a positive int or None" if none_ok else "a positive int"
+  if not integral or value < minimum:
+    allowed = "a positive int" if minimum == 1 else f"an int of at least {minimum}"
+    allowed += " or None" if none_ok else ""
     raise ValueError(f"{name} must be {allowed}, got {value!r}{meaning}")
 
 

@@ -137,8 +137,8 @@ def check_settings(skip_spikes: Any, spike_window: Any) -> None:
   >>> check_settings(6.0, 1)
   Traceback (most recent call last):
   ...
-  ValueError: spike_window must be an int of at least 2 (the steps of history that the \
-spike rule keeps; it judges once half of them are there), got 1
+  ValueError: spike_window must be an int of at least 2, got 1 (the steps of history that \
+the spike rule keeps; it judges once half of them are there)
   """
   if skip_spikes is not None and not isinstance(skip_spikes, jax.core.Tracer):
     # A switch (True) would be read as a spike at one standard deviation.
@@ -152,9 +152,7 @@ spike rule keeps; it judges once half of them are there), got 1
                        f"(6.0 is the usual choice) or None, got {skip_spikes!r}")
   meaning = (" (the steps of history that the spike rule keeps; it judges once half of them "
              "are there)")
-  checks.check_positive_int(spike_window, "spike_window", meaning=meaning)
-  if not isinstance(spike_window, jax.core.Tracer) and int(spike_window) < 2:
-    raise ValueError(f"spike_window must be an int of at least 2{meaning}, got {spike_window!r}")
+  checks.check_positive_int(spike_window, "spike_window", meaning=meaning, minimum=2)
 
 
 # The window a guard keeps when none is given.
