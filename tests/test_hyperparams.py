@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import optax_safefactor as osf
+from tests.helpers import assert_trees_bitwise_equal
 
 PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)}}
 
@@ -89,6 +90,19 @@ PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones(3)}}
 def test_safefactor_names_the_bad_argument(kwargs, error, message):
   with pytest.raises(error, match=message):
     osf.safefactor(1e-3, **kwargs)
+
+
+@pytest.mark.parametrize("off", [False, np.False_], ids=["False", "np.False_"])
+def test_an_off_switch_needs_no_guard(off):
+  # checked=np.False_, a switch the checks take as False, was refused without the guard
+  # as if it were on: "checked raises for the steps the non-finite guard skips".
+  tx = osf.safefactor(1e-3, skip_nonfinite_steps=False, checked=off)
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+  plain = osf.safefactor(1e-3, skip_nonfinite_steps=False)
+  assert_trees_bitwise_equal(updates, plain.update(grads, plain.init(PARAMS), PARAMS)[0])
+  with pytest.raises(ValueError, match=r"checked raises .* needs skip_nonfinite_steps=True"):
+    osf.safefactor(1e-3, skip_nonfinite_steps=False, checked=np.True_)
 
 
 @pytest.mark.parametrize("kwargs,error,message", [

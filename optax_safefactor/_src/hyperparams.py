@@ -368,8 +368,9 @@ def _check_each_setting_is_used(hyperparams: Hyperparams, names: dict[str, str])
                                                   "in a row"),
                         ("checked", "raises for the steps the non-finite guard skips")):
       value = getattr(hyperparams, field)
-      # By identity: an injected value is an array, traced in update.
-      if value is not None and value is not False:
+      # An off switch (False or NumPy's False) sets nothing; judged by type, not by truth,
+      # as an injected value is an array, traced in update.
+      if value is not None and not (isinstance(value, (bool, np.bool_)) and not value):
         raise ValueError(f"{name(field)} {what}, so it needs "
                          f"{name('skip_nonfinite_steps')}=True")
   unused = [write_back.unused_seed(hyperparams.param_rounding, hyperparams.rounding_seed,
