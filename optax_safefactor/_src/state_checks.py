@@ -66,7 +66,7 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
     # optax.chain's tuple, optax.MultiSteps' or optax.inject_hyperparams' state: a
     # transformation around this one made it, and its update is the one to call.
     hint = (f"; it holds this optimizer's {expected.__name__} at opt_state{held}: it is the "
-            f"state of a transformation around this optimizer. Pass it to that "
+            "state of a transformation around this optimizer. Pass it to that "
             f"transformation's update, or only opt_state{held} to this optimizer's")
   elif wrapper is not None:
     # Checked before the optax.adafactor hint: the inner transformation's state may
