@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_safefactor._src import trees
+
 #: What to do with a checkpoint restored without a target (its states are plain dicts).
 RESTORE = ("restore with the state of optimizer.init(params) (or "
            "jax.eval_shape(optimizer.init, params)) as the target")
@@ -62,9 +64,10 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
     hint = (f"; {_MADE_BY[kind]}: the state was made by an optimizer of another "
             "configuration. Make the state with this optimizer's init, or build this "
             "optimizer with the settings of the one whose init made it")
-  elif (held := _held_at(state, expected)) is not None:
+  elif held := trees.find_all_with_paths(state, expected):
     # optax.chain's tuple, optax.MultiSteps' or optax.inject_hyperparams' state: a
     # transformation around this one made it, and its update is the one to call.
+    held = jax.tree_util.keystr(held[0][0])
     hint = (f"; it holds this optimizer's {expected.__name__} at opt_state{held}: it is the "
             "state of a transformation around this optimizer. Pass it to that "
             f"transformation's update, or only opt_state{held} to this optimizer's")
@@ -96,18 +99,6 @@ _MADE_BY = {
 def with_article(noun: str) -> str:
   """``noun`` with its indefinite article: an AdafactorState, a SkipNonfiniteState."""
   return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
-
-
-def _held_at(state: Any, expected: type) -> str | None:
-  """Where ``state`` holds an ``expected`` state (``"[1]"``, ``".inner_state"``), if it does."""
-  def is_expected(node):
-    return isinstance(node, expected)
-
-  try:
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_expected)[0]
-  except Exception:  # a state jax cannot flatten holds nothing it could step
-    return None
-  return next((jax.tree_util.keystr(path) for path, node in flat if is_expected(node)), None)
 
 
 def _shaped_like(state: Any, grads: Any) -> bool:
