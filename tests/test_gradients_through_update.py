@@ -93,15 +93,19 @@ def test_gradients_through_update_follow_finite_differences_of_the_reference(x64
   reference.init_all({k: np.asarray(v) for k, v in params.items()}, min_dim_size_to_factor=2)
   state = tx.init(params)
   numpy_params = {k: np.asarray(v) for k, v in params.items()}
+  # Compiled: run eagerly, the steps and their derivative compiled some 300 operations one by
+  # one, most of this test's time.
+  update = jax.jit(tx.update)
   for seed in range(3):
     grads = _grads(seed, jnp.float64, zeros=False)
-    updates, state = tx.update(grads, state, params)
+    updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
     step = reference.step({k: np.asarray(v) for k, v in grads.items()}, numpy_params)
     numpy_params = {k: numpy_params[k] + step[k] for k in numpy_params}
   weights = _weights()
   grads = _grads(3, jnp.float64, zeros=True)
-  by_grads, by_params = jax.grad(_meta_loss(tx, state, weights), argnums=(0, 1))(grads, params)
+  by_grads, by_params = jax.jit(jax.grad(_meta_loss(tx, state, weights), argnums=(0, 1)))(
+      grads, params)
 
   def reference_loss(grads, params):
     step = copy.deepcopy(reference).step(grads, params)
