@@ -277,6 +277,21 @@ def test_the_reports_on_optax_apply_if_finite_say_where_its_counts_are(report):
     report(tx.init(params))
 
 
+def test_the_reports_name_every_optax_apply_if_finite_they_find():
+  # Each part of a multi_transform under its own apply_if_finite counts its own steps: the
+  # error named the first part's counts only.
+  params = {"a": jnp.ones((3,)), "b": jnp.ones((2,))}
+  parts = {part: optax.apply_if_finite(osf.safefactor(0.1, skip_nonfinite_steps=False), 3)
+           for part in ("x", "y")}
+  tx = optax.multi_transform(parts, {"a": "x", "b": "y"})
+  with pytest.raises(ValueError, match=re.escape(
+      " It holds optax.apply_if_finite's states, which count in their own fields: "
+      "opt_state.inner_states['x'].inner_state.total_notfinite, "
+      "opt_state.inner_states['y'].inner_state.total_notfinite (and .notfinite_count, in a "
+      "row)")):
+    osf.skipped_steps(tx.init(params))
+
+
 def test_state_nonfinite_is_caught_for_plain_transforms():
   # An inner transform whose state goes non-finite while its updates stay finite.
   def init(params):

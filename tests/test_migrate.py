@@ -1,5 +1,7 @@
 """Migration: optax.adafactor for N steps, convert, safefactor for M steps == N + M optax steps."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -186,6 +188,41 @@ def test_a_learning_rate_set_by_hand_stays_set():
   assert float(state.hyperparams["decay_rate"]) == pytest.approx(0.8)  # optax's, and ours
 
 
+class _CountingSchedule:
+  """A stateful schedule (optax.StatefulSchedule) whose state is a dict, not optax's
+  WrappedScheduleState: the same leaves in another tree."""
+
+  def init(self):
+    return {"steps": jnp.zeros([], jnp.int32)}
+
+  def update(self, state, **extra_args):
+    return {"steps": state["steps"] + 1}
+
+  def __call__(self, state, **extra_args):
+    return SCHEDULE(state["steps"])
+
+
+def test_a_schedule_state_of_another_tree_starts_afresh():
+  # The optax job's schedule state (a WrappedScheduleState) does not fit safefactor's
+  # schedule's (a dict): safefactor's starts as its init makes it; the value both name is
+  # carried.
+  params = {"w": jnp.ones((300, 140))}
+  optax_tx = optax.inject_hyperparams(optax.adafactor)(learning_rate=SCHEDULE)
+  optax_state = optax_tx.init(params)
+  for _ in range(3):
+    _, optax_state = optax_tx.update(params, optax_state, params)
+  tx = optax.inject_hyperparams(
+      osf.safefactor, static_args=("min_dim_size_to_factor", "spike_window"))(
+          learning_rate=_CountingSchedule())
+  state = osf.migrate_from_optax(optax_state, tx, params)
+  assert jax.tree.structure(state.hyperparams_states["learning_rate"]) == jax.tree.structure(
+      {"steps": 0})
+  assert int(state.hyperparams_states["learning_rate"]["steps"]) == 0
+  assert int(state.count) == 3
+  assert float(state.hyperparams["learning_rate"]) == float(
+      optax_state.hyperparams["learning_rate"])
+
+
 def test_multi_steps_optimizer_steps_become_the_applied_steps():
   params = {"w": jnp.ones((300, 140))}
   grads = {"w": jnp.full((300, 140), 0.1)}
@@ -201,6 +238,17 @@ def test_multi_steps_optimizer_steps_become_the_applied_steps():
   with pytest.warns(UserWarning, match="holds 1 micro-batches accumulated since its last "
                                        "optimizer step"):
     osf.migrate_from_optax(mid_group, tx, params)
+
+
+@pytest.mark.parametrize("shape", [(290, 200), (310, 200), (300, 190), (300, 210)])
+def test_params_of_another_size_than_the_optax_jobs_are_refused(shape):
+  # Factored the same way round, the statistics of a (300, 200) job do not fit params one
+  # row or column smaller or larger: refused, never cut or padded into the state.
+  optax_state = optax.adafactor(0.1).init({"w": jnp.ones((300, 200))})
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"params['w']: optax and safefactor factor this param differently (optax's statistics "
+      f"have shape (200,) and (300,), the param {shape})")):
+    osf.migrate_from_optax(optax_state, osf.safefactor(0.1), {"w": jnp.ones(shape)})
 
 
 @pytest.mark.parametrize("rules", [("row", "column"), ("column", "row")])
