@@ -77,6 +77,19 @@ def test_report_prefixes_every_later_guard():
   assert {key: report.get(key) for key in expected} == expected
 
 
+def test_a_third_guard_gets_a_prefix_of_its_own():
+  # The labels count the guards of a kind: with two, guard1 is the only prefix, and a count
+  # that went wrong at the third (guard1 again, or no prefix) overwrote another's keys.
+  tx = optax.chain(osf.skip_nonfinite(optax.identity()), osf.skip_nonfinite(optax.scale(1e30)),
+                   osf.skip_nonfinite(optax.scale(np.inf)))  # the third skips every step
+  state, _ = _run(tx, [_filled(lambda _, v=v: v) for v in _CHAIN_VALUES])
+  report = osf.nonfinite_report(state)
+  assert [report.get(key) for key in (
+      "skipped_steps", "guard1/skipped_steps", "guard2/skipped_steps")] == [1, 2, 5]
+  assert not any(key.startswith(("guard0/", "guard3/")) for key in report)
+  assert int(osf.skipped_steps(state)) == 1 + 2 + 5
+
+
 def test_guards_inside_multi_steps_and_inject_hyperparams():
   """Two safefactors (one under ``inject_hyperparams``), each on its own leaf, in MultiSteps.
 
