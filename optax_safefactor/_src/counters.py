@@ -335,15 +335,17 @@ def find_counters_with_paths(opt_state: Any) -> list[tuple[tuple[Any, ...], Any]
     # Every one of them: in a multi_transform, each part's guard counts its own steps.
     theirs = [f"opt_state{jax.tree_util.keystr(path)}.total_notfinite"
               for path, _ in find_all_with_paths(opt_state, optax.ApplyIfFiniteState)]
+    where_theirs = ""
+    if len(theirs) == 1:
+      where_theirs = (" It holds optax.apply_if_finite's state, which counts in its own "
+                      f"fields: {theirs[0]} (and .notfinite_count, in a row)")
+    elif theirs:
+      where_theirs = (" It holds optax.apply_if_finite's states, which count in their own "
+                      f"fields: {', '.join(theirs)} (and .notfinite_count, in a row)")
     raise ValueError(
         "no skip_nonfinite state found in opt_state; was the optimizer built with "
         "skip_nonfinite (safefactor does so unless skip_nonfinite_steps=False) or "
-        "accumulate_gradients?" + (
-            " It holds optax.apply_if_finite's state, which counts in its own fields: "
-            f"{theirs[0]} (and .notfinite_count, in a row)" if len(theirs) == 1 else
-            " It holds optax.apply_if_finite's states, which count in their own fields: "
-            f"{', '.join(theirs)} (and .notfinite_count, in a row)" if theirs else "")
-    )
+        "accumulate_gradients?" + where_theirs)
   if any(isinstance(unbox(guard.skipped_steps), jax.ShapeDtypeStruct) for _, guard in found):
     raise TypeError(
         "this optimizer state is abstract (jax.eval_shape's, or a checkpoint's restore "
