@@ -25,9 +25,9 @@ def _filled(value_for):
   return {name: jnp.full(p.shape, value_for(name), jnp.float32) for name, p in PARAMS.items()}
 
 
-def _run(tx, grads_sequence):
+def _run(tx, grads_sequence, params=PARAMS):
   # Every step reads the same params; MultiSteps mixes int and float counts.
-  _, state, history = run_steps(tx, PARAMS, grads_sequence, apply_updates=False,
+  _, state, history = run_steps(tx, params, grads_sequence, apply_updates=False,
                                 dtype_promotion="standard")
   return state, history
 
@@ -88,6 +88,31 @@ def test_a_third_guard_gets_a_prefix_of_its_own():
       "skipped_steps", "guard1/skipped_steps", "guard2/skipped_steps")] == [1, 2, 5]
   assert not any(key.startswith(("guard0/", "guard3/")) for key in report)
   assert int(osf.skipped_steps(state)) == 1 + 2 + 5
+
+
+def test_a_bare_array_as_the_params_is_counted_as_one_leaf():
+  # A tree of one node is a bare array here, not the leafless object optax.tree.map_params
+  # inits with: its counts are a leaf's, named "params".
+  params = jnp.ones((4, 3))
+  tx = osf.safefactor(0.1)
+  state, _ = _run(tx, [jnp.full((4, 3), v) for v in (0.5, np.nan, 0.5)], params)
+  assert osf.nonfinite_report(state) == {
+      "skipped_steps": 1, "consecutive_skips": 0, "steps": 3, "nonfinite_steps/params": 1,
+      "last_nonfinite_step/params": 1, "total_skipped_steps": 1}
+
+
+def test_counts_of_another_length_than_the_leaves_are_refused_by_name():
+  # Another model's count vector in this state: the report raised zip's "argument 2 is
+  # longer than argument 1", or, had zip not been strict, dropped the extra counts.
+  state = osf.safefactor(0.1).init(PARAMS)
+  counts = state.nonfinite_steps
+  for length in (1, 3):
+    wrong = state._replace(nonfinite_steps=type(counts)(jnp.zeros([length], jnp.int32),
+                                                        counts.treedef))
+    with pytest.raises(ValueError, match=re.escape(
+        f"this optimizer state holds {length} per-leaf counts for params of 2 leaves: it was "
+        "not made for these params; restore with the state of optimizer.init(params)")):
+      osf.nonfinite_report(wrong)
 
 
 def test_guards_inside_multi_steps_and_inject_hyperparams():

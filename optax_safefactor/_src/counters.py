@@ -74,6 +74,12 @@ class LeafCounts:
   def host_values(self) -> dict[str, int]:
     """The counts as host ints by parameter path."""
     counts = _one_optimizers(np.asarray(unbox(self.counts)), "LeafCounts")
+    if len(counts) != self.treedef.num_leaves:
+      # A vector put in by hand, or another model's: zip would drop counts or raise bare.
+      raise ValueError(
+          f"this optimizer state holds {len(counts)} per-leaf counts for params of "
+          f"{self.treedef.num_leaves} leaves: it was not made for these params; "
+          f"{state_checks.RESTORE}")
     return dict(zip(self.names(), counts.tolist(), strict=True))
 
   @classmethod
