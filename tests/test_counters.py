@@ -109,10 +109,13 @@ def test_counts_of_another_length_than_the_leaves_are_refused_by_name():
   for length in (1, 3):
     wrong = state._replace(nonfinite_steps=type(counts)(jnp.zeros([length], jnp.int32),
                                                         counts.treedef))
-    with pytest.raises(ValueError, match=re.escape(
+    message = re.escape(
         f"this optimizer state holds {length} per-leaf counts for params of 2 leaves: it was "
-        "not made for these params; restore with the state of optimizer.init(params)")):
+        "not made for these params; restore with the state of optimizer.init(params)")
+    with pytest.raises(ValueError, match=message):
       osf.nonfinite_report(wrong)
+    with pytest.raises(ValueError, match=message):  # cut short or clamped before
+      wrong.nonfinite_steps.per_leaf()
 
 
 def test_guards_inside_multi_steps_and_inject_hyperparams():

@@ -62,7 +62,7 @@ class LeafCounts:
   def per_leaf(self) -> Any:
     """The counts shaped like the params: an int32 scalar per leaf (for abstract counts,
     a ``jax.ShapeDtypeStruct`` per leaf, placed as the vector is)."""
-    counts = _one_optimizers(unbox(self.counts), "LeafCounts")
+    counts = self._one_vector(unbox(self.counts))
     if isinstance(counts, jax.ShapeDtypeStruct):
       sharding = counts.sharding
       if isinstance(sharding, jax.sharding.NamedSharding):  # the vector is replicated
@@ -73,14 +73,20 @@ class LeafCounts:
 
   def host_values(self) -> dict[str, int]:
     """The counts as host ints by parameter path."""
-    counts = _one_optimizers(np.asarray(unbox(self.counts)), "LeafCounts")
-    if len(counts) != self.treedef.num_leaves:
-      # A vector put in by hand, or another model's: zip would drop counts or raise bare.
+    counts = self._one_vector(np.asarray(unbox(self.counts)))
+    return dict(zip(self.names(), counts.tolist(), strict=True))
+
+  def _one_vector(self, counts: Any) -> Any:
+    """``counts`` if it is one optimizer's vector of one count per leaf; a ``ValueError``
+    otherwise. Another model's vector (put in by hand) would be cut short or read past
+    its end by the leaves' indices, which JAX clamps."""
+    counts = _one_optimizers(counts, "LeafCounts")
+    if counts.shape[0] != self.treedef.num_leaves:
       raise ValueError(
-          f"this optimizer state holds {len(counts)} per-leaf counts for params of "
+          f"this optimizer state holds {counts.shape[0]} per-leaf counts for params of "
           f"{self.treedef.num_leaves} leaves: it was not made for these params; "
           f"{state_checks.RESTORE}")
-    return dict(zip(self.names(), counts.tolist(), strict=True))
+    return counts
 
   @classmethod
   def from_per_leaf(cls, tree: Any) -> LeafCounts:
