@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import optax_safefactor as osf
+from optax_safefactor._src.counters import _listed
 from tests.helpers import run_steps
 
 PARAMS = {"w": jnp.ones((3, 2)), "v": jnp.ones((4,))}
@@ -174,3 +175,10 @@ def test_an_ensembles_counts_are_refused_not_mislabelled():
   assert member.nonfinite_steps.host_values() == {"params['b']": 1, "params['w']": 0}
   assert {name: int(count) for name, count in member.nonfinite_steps.per_leaf().items()} == {
       "b": 1, "w": 0}
+
+
+def test_a_list_of_names_past_four_says_how_many_there_are():
+  # Five names show four and the count: at exactly five, a boundary one off dropped the
+  # fifth unsaid.
+  assert _listed(["a", "b", "c", "d"]) == "a, b, c, d"
+  assert _listed(["a", "b", "c", "d", "e"]) == "a, b, c, d, ... (5 in all)"
