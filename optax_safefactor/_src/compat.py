@@ -38,7 +38,8 @@ def full(
 
 
 def match_sharding(x: jax.Array, like: jax.Array) -> jax.Array:
-  """``x`` placed as ``like`` is, where explicit mesh axes make placement part of the type.
+  """``x``, of ``like``'s shape, placed as ``like`` is, where explicit mesh axes make
+  placement part of the type.
 
   Inside ``jax.jit`` on a mesh with Explicit axes, an array built from indices (``iota``)
   is replicated while a param is sharded. From JAX 0.8.0, ``jnp.where`` and friends reshard
@@ -52,7 +53,7 @@ def match_sharding(x: jax.Array, like: jax.Array) -> jax.Array:
   axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
   if not any(axis_type == jax.sharding.AxisType.Explicit for axis_type in axis_types):
     return x
-  if jax.typeof(x).sharding.spec == sharding.spec or x.shape != like.shape:
+  if jax.typeof(x).sharding.spec == sharding.spec:
     return x
   # The whole sharding, not its spec: a bare spec needs a current mesh (jax.set_mesh),
   # and a step on arrays placed on an Explicit mesh compiles without one.
