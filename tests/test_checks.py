@@ -484,6 +484,23 @@ def test_a_wrappers_state_given_to_the_optimizer_it_wraps_names_the_part_to_pass
   assert jax.tree.structure(updates) == jax.tree.structure(params)
 
 
+def test_a_state_holding_several_of_the_optimizers_kind_names_every_one():
+  # An optax.multi_transform of two safefactors, its whole state handed to one of them:
+  # the message named the first part's state only, the other part's optimizer's included.
+  params = {"w": jnp.ones((3, 4)), "v": jnp.ones((5,))}
+  first, second = osf.safefactor(0.1), osf.safefactor(0.01)
+  tx = optax.multi_transform({"first": first, "second": second}, {"w": "first", "v": "second"})
+  state = tx.init(params)
+  where = ["opt_state.inner_states['first'].inner_state",
+           "opt_state.inner_states['second'].inner_state"]
+  with pytest.raises(TypeError, match=re.escape(
+      f"it holds 2 states of this optimizer's kind (SkipNonfiniteState), at {where[0]}, "
+      f"{where[1]}: it is the state of a transformation around this optimizer. Pass it to "
+      "that transformation's update, or only the one this optimizer's init made to this "
+      "optimizer's") + "$"):
+    second.update(params, state, params)
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 

@@ -67,10 +67,18 @@ def check_state_type(state: Any, expected: type, grads: Any, wrapper: str | None
   elif held := trees.find_all_with_paths(state, expected):
     # optax.chain's tuple, optax.MultiSteps' or optax.inject_hyperparams' state: a
     # transformation around this one made it, and its update is the one to call.
-    held = jax.tree_util.keystr(held[0][0])
-    hint = (f"; it holds this optimizer's {expected.__name__} at opt_state{held}: it is the "
-            "state of a transformation around this optimizer. Pass it to that "
-            f"transformation's update, or only opt_state{held} to this optimizer's")
+    # Every one: an optax.multi_transform of two safefactors holds one per part, and
+    # this optimizer's may be any of them.
+    where = [f"opt_state{jax.tree_util.keystr(path)}" for path, _ in held]
+    if len(where) == 1:
+      hint = (f"; it holds this optimizer's {expected.__name__} at {where[0]}: it is the "
+              "state of a transformation around this optimizer. Pass it to that "
+              f"transformation's update, or only {where[0]} to this optimizer's")
+    else:
+      hint = (f"; it holds {len(where)} states of this optimizer's kind "
+              f"({expected.__name__}), at {', '.join(where)}: it is the state of a "
+              "transformation around this optimizer. Pass it to that transformation's "
+              "update, or only the one this optimizer's init made to this optimizer's")
   elif wrapper is not None:
     # Checked before the optax.adafactor hint: the inner transformation's state may
     # well hold one, and migrate_from_optax does not make a wrapper's state.
