@@ -563,6 +563,18 @@ def test_a_pair_from_value_and_grad_or_has_aux_is_named(name, pair):
     tx.update(grads, tx.init(params), params)
 
 
+def test_a_pair_whose_first_item_has_more_leaves_than_the_params_is_no_grad_aux_pair():
+  # (grads of a larger model, aux): its first item is not these params' gradients, so
+  # "step with its first item alone" would only lead to the next mismatch.
+  params = _params()
+  tx = osf.safefactor(0.1)
+  larger = {**jax.tree.map(jnp.ones_like, params), "head": {"kernel": jnp.ones((130, 2))}}
+  with pytest.raises(ValueError) as error:
+    tx.update((larger, {"accuracy": jnp.float32(0.5)}), tx.init(params), params)
+  assert "jax.grad(..., has_aux=True)" not in str(error.value)
+  assert "missing from grads: params['dense']['bias']" in str(error.value)
+
+
 @pytest.mark.parametrize("pair", sorted(_PAIRS))
 def test_a_pair_is_named_without_params_too(pair):
   """No params given: the grads are checked against the optimizer state's moments."""

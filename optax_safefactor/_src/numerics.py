@@ -74,6 +74,8 @@ def momentum_dtype(dtype_momentum: Any, param_dtype: Any) -> np.dtype:
   >>> momentum_dtype("at_least_float32", jnp.bfloat16), momentum_dtype("at_least_float32",
   ...                                                                  jnp.float64)
   (dtype('float32'), dtype('float64'))
+  >>> momentum_dtype(np.dtype(np.float16).str, jnp.bfloat16)  # NumPy's own name, "<f2"
+  dtype('float16')
   """
   if dtype_momentum is None:
     return np.dtype(param_dtype)
